@@ -1,0 +1,107 @@
+"""Attention over a paged KV cache, and the cache write.
+
+Layout: one layer's cache is `[num_pages * page_size, num_kv_heads, head_dim]` (a "slot" is one
+token position in one page: `slot = page_id * page_size + offset`). A sequence reads its KV
+through the slot list its page table expands to.
+
+`paged_attention_reference` is the portable definition (float32 softmax, explicit masks, no
+fused kernels). `paged_attention` is the CPU fast path used by the model: per-sequence gather,
+then torch's fused scaled-dot-product attention. Tests hold the fast path to the reference and
+the reference to dense causal attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SequenceSlice:
+    """One sequence's part of a flattened batch.
+
+    `query_start:query_end` are its rows in the flattened query tensor; they are the positions
+    `context_len - num_queries .. context_len - 1` of the sequence. `slots` lists the cache slot of
+    every position `0 .. context_len - 1` (the new tokens' KV already written).
+    """
+
+    query_start: int
+    query_end: int
+    slots: torch.Tensor
+    mask: torch.Tensor | None  # bool [q, ctx], True = attend; None means plain causal from position 0 or one query
+
+    @property
+    def num_queries(self) -> int:
+        return self.query_end - self.query_start
+
+    @property
+    def context_len(self) -> int:
+        return int(self.slots.shape[0])
+
+
+def causal_mask(num_queries: int, context_len: int, sliding_window: int | None = None) -> torch.Tensor | None:
+    """The mask for queries at the last `num_queries` positions of `context_len`, or None when
+    SDPA's own handling suffices (one query, or causal from position 0, without a window)."""
+    window_matters = sliding_window is not None and context_len > sliding_window
+    if not window_matters and (num_queries == 1 or num_queries == context_len):
+        return None
+    q_pos = torch.arange(context_len - num_queries, context_len).unsqueeze(1)
+    k_pos = torch.arange(context_len).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window_matters:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Stores new tokens' K and V (`[tokens, kv_heads, head_dim]`) at their cache slots."""
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqs: list[SequenceSlice],
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a flattened batch. q is `[tokens, heads, head_dim]`; returns the same shape."""
+    out = torch.empty_like(q)
+    for s in seqs:
+        k = k_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
+        v = v_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
+        qs = q[s.query_start : s.query_end].transpose(0, 1).unsqueeze(0)
+        is_causal = s.mask is None and s.num_queries > 1
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=s.mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+        out[s.query_start : s.query_end] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqs: list[SequenceSlice],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The portable definition: explicit causal (and sliding-window) mask, float32 softmax."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    out = torch.empty_like(q)
+    for s in seqs:
+        k = k_cache[s.slots].repeat_interleave(heads // kv_heads, dim=1)  # [ctx, heads, d]
+        v = v_cache[s.slots].repeat_interleave(heads // kv_heads, dim=1)
+        qs = q[s.query_start : s.query_end]
+        scores = torch.einsum("qhd,khd->hqk", qs.float(), k.float()) * scale
+        q_pos = torch.arange(s.context_len - s.num_queries, s.context_len).unsqueeze(1)
+        k_pos = torch.arange(s.context_len).unsqueeze(0)
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[s.query_start : s.query_end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+    return out

@@ -1,0 +1,171 @@
+"""Page accounting for one worker's KV pool: page tables, reference counts and the prefix index.
+
+Every page is in exactly one state: free (no owner, no content worth keeping), in use (one or
+more sequences reference it), or cached (no owner, but it holds a full page of tokens whose
+chained hash is in the prefix index, so a later request with the same prefix can reuse it).
+Cached pages are evicted least-recently-used, and only when no free page is left.
+Invariant, checked by `check()`: free + in use + cached == total.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+def page_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """hash(page i) = H(hash(page i-1), token ids of page i); stable across processes and hosts."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"\0" * 16)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class PageStats:
+    total: int
+    free: int
+    used: int
+    cached: int
+
+
+@dataclass
+class PageTable:
+    """One sequence's pages in logical order, and the hashes of its leading full pages."""
+
+    page_ids: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+
+
+class PagePool:
+    """Page tables and prefix sharing for `num_pages` pages of `page_size` tokens."""
+
+    def __init__(self, num_pages: int, page_size: int = 16, enable_prefix_caching: bool = True):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages} and {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_pages
+        self.hash_of: list[bytes | None] = [None] * num_pages
+        self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
+        self.index: dict[bytes, int] = {}  # page hash -> page id
+        self.tables: dict[str, PageTable] = {}
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation can take now: free ones plus evictable cached ones."""
+        return len(self.free) + len(self.evictable)
+
+    def stats(self) -> PageStats:
+        return PageStats(self.num_pages, len(self.free), self.num_pages - len(self.free) - len(self.evictable), len(self.evictable))
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def page_table(self, seq_id: str) -> list[int]:
+        return self.tables[seq_id].page_ids
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached pages covering the longest cached prefix of `token_ids`, leaving the last token
+        uncached (its logits must be computed)."""
+        if not self.enable_prefix_caching:
+            return []
+        pages, parent = [], None
+        for i in range((len(token_ids) - 1) // self.page_size):
+            parent = page_hash(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
+            page = self.index.get(parent)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def open(self, seq_id: str, prefix_pages: list[int]) -> None:
+        """Starts a page table that shares `prefix_pages` (from match_prefix, just before)."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id!r} already has a page table")
+        table = PageTable()
+        for page in prefix_pages:
+            self._ref(page)
+            table.page_ids.append(page)
+            table.hashes.append(self.hash_of[page])
+        self.tables[seq_id] = table
+
+    def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
+        """Extends the table to hold `num_tokens` tokens. Returns the new pages, or None (and
+        changes nothing) when not enough pages are available."""
+        table = self.tables[seq_id]
+        need = self.pages_needed(num_tokens) - len(table.page_ids)
+        if need <= 0:
+            return []
+        if need > self.num_available:
+            return None
+        new = [self._take() for _ in range(need)]
+        table.page_ids.extend(new)
+        return new
+
+    def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Publishes the sequence's pages that are now full of computed tokens to the prefix index."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables[seq_id]
+        full = min(num_computed // self.page_size, len(table.page_ids))
+        for i in range(len(table.hashes), full):
+            parent = table.hashes[-1] if table.hashes else None
+            h = page_hash(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
+            table.hashes.append(h)
+            page = table.page_ids[i]
+            if h not in self.index and self.hash_of[page] is None:
+                self.index[h] = page
+                self.hash_of[page] = h
+
+    def release(self, seq_id: str) -> None:
+        """Drops the sequence's references; its hashed pages stay cached, the rest become free."""
+        table = self.tables.pop(seq_id, None)
+        if table is None:
+            return
+        # Last pages first into the LRU, so a prefix's head outlives its tail.
+        for page in reversed(table.page_ids):
+            self.ref_count[page] -= 1
+            if self.ref_count[page] == 0:
+                if self.hash_of[page] is not None:
+                    self.evictable[page] = None
+                else:
+                    self.free.append(page)
+
+    def _ref(self, page: int) -> None:
+        if self.ref_count[page] == 0:
+            self.evictable.pop(page, None)
+        self.ref_count[page] += 1
+
+    def _take(self) -> int:
+        if self.free:
+            page = self.free.pop()
+        else:
+            page, _ = self.evictable.popitem(last=False)
+            del self.index[self.hash_of[page]]
+            self.hash_of[page] = None
+        self.ref_count[page] = 1
+        return page
+
+    def check(self) -> None:
+        """Asserts the accounting invariants (tests call it after every operation)."""
+        s = self.stats()
+        assert s.free + s.used + s.cached == s.total, s
+        assert all(c >= 0 for c in self.ref_count), "negative reference count"
+        free, evictable = set(self.free), set(self.evictable)
+        assert len(free) == len(self.free) and not free & evictable, "a page is in two free states"
+        assert all(self.ref_count[p] == 0 for p in free | evictable), "a referenced page is free"
+        refs = [0] * self.num_pages
+        for table in self.tables.values():
+            for p in table.page_ids:
+                refs[p] += 1
+        assert refs == self.ref_count, "reference counts disagree with page tables"
+        assert all(self.hash_of[p] == h for h, p in self.index.items()), "prefix index out of sync"

@@ -1,0 +1,202 @@
+"""The continuous-batching scheduler for one worker: admission, token budget, preemption.
+
+Each step, `schedule()` gives every running request its next chunk (one token when decoding, up
+to the remaining token budget when prefilling), growing page tables as needed; when pages run
+out, it preempts a victim (frees its pages; it is recomputed later and resumes its stream where
+it stopped). Then it admits waiting requests, highest priority first, while pages and budget
+last. `update()` takes the worker's sampled tokens, applies stop rules and frees finished
+requests' pages in the same step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+from kvmesh.services.kvcache.pages import PagePool
+from kvmesh.services.scheduler.request import FinishReason, Request, Status
+from kvmesh.step import NewSequence, ScheduledChunk, StepPlan, StepResult
+
+VICTIM_POLICIES = ("newest", "priority", "size")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """max_batched_tokens: tokens per step (decode tokens plus prefill chunks).
+    max_num_seqs: running requests at most. victim_policy: which running request is preempted
+    when pages run out: newest admitted, lowest priority (then newest), or largest KV."""
+
+    max_batched_tokens: int = 1024
+    max_num_seqs: int = 128
+    victim_policy: str = "newest"
+
+    def __post_init__(self):
+        if self.max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.victim_policy not in VICTIM_POLICIES:
+            raise ValueError(f"victim_policy must be one of {', '.join(VICTIM_POLICIES)}, got {self.victim_policy!r}")
+
+
+@dataclass
+class TokenEvent:
+    """A token for a request's stream (token_id None on a finish without a new token, e.g. cancel)."""
+
+    request: Request
+    token_id: int | None
+    logprob: float | None
+    finish_reason: FinishReason | None = None
+
+
+def _admission_key(r: Request):
+    return (-r.priority, r.arrival_time)
+
+
+class Scheduler:
+    """Queues and batches the requests of one worker whose pages `pool` accounts for."""
+
+    def __init__(self, pool: PagePool, config: SchedulerConfig | None = None):
+        self.pool = pool
+        self.config = config or SchedulerConfig()
+        self.waiting: list[Request] = []  # sorted by (-priority, arrival)
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self._to_drop: list[str] = []  # worker-side state to forget at the next step
+        self._watermark = max(1, pool.num_pages // 100)
+        self.num_preemptions = 0
+
+    # -- intake --------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=_admission_key)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> TokenEvent | None:
+        """Ends a request now and frees its pages; None if it is unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        return TokenEvent(req, None, None, reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(dropped=self._to_drop)
+        self._to_drop = []
+        chunks: dict[str, ScheduledChunk] = {}
+        budget = self.config.max_batched_tokens
+        preempted = False
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while (new_pages := self.pool.grow(req.request_id, req.num_computed_tokens + n)) is None:
+                victim = self._pick_victim()
+                budget += self._preempt(victim, plan, chunks)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                chunks[req.request_id] = chunk = ScheduledChunk(req.request_id, n, new_pages)
+                plan.scheduled.append(chunk)
+                budget -= n
+        if not preempted:
+            self._admit(plan, chunks, budget)
+        return plan
+
+    def _admit(self, plan: StepPlan, chunks: dict[str, ScheduledChunk], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            prefix = self.pool.match_prefix(tokens)
+            self.pool.open(req.request_id, prefix)
+            computed = len(prefix) * self.pool.page_size
+            n = min(req.num_tokens - computed, budget)
+            pages = self.pool.grow(req.request_id, computed + n)
+            if pages is None or self.pool.num_available < self._watermark and self.running:
+                self.pool.release(req.request_id)
+                return
+            self.waiting.pop(0)
+            req.status = Status.RUNNING
+            req.num_computed_tokens = computed
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = computed
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            plan.new.append(
+                NewSequence(req.request_id, tokens, len(req.prompt_token_ids), req.sampling, prefix + pages, computed)
+            )
+            chunks[req.request_id] = chunk = ScheduledChunk(req.request_id, n, [])
+            plan.scheduled.append(chunk)
+            budget -= n
+
+    def _pick_victim(self) -> Request:
+        policy = self.config.victim_policy
+        if policy == "priority":
+            return min(reversed(self.running), key=lambda r: r.priority)  # lowest priority, newest on ties
+        if policy == "size":
+            return max(reversed(self.running), key=lambda r: r.num_computed_tokens)
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, plan: StepPlan, chunks: dict[str, ScheduledChunk]) -> int:
+        """Frees the victim's pages and requeues it; returns the budget its dropped chunk held."""
+        self.pool.release(victim.request_id)
+        self.running.remove(victim)
+        victim.status = Status.WAITING
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, victim, key=_admission_key)
+        plan.dropped.append(victim.request_id)
+        chunk = chunks.pop(victim.request_id, None)
+        if chunk is None:
+            return 0
+        plan.scheduled.remove(chunk)
+        return chunk.num_tokens
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
+        """Advances computed counts, appends sampled tokens, finishes requests that hit a stop."""
+        now = time.monotonic()
+        for chunk in plan.scheduled:
+            req = self.requests.get(chunk.seq_id)
+            if req is None or req.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += chunk.num_tokens
+            self.pool.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        events = []
+        for tok in result.tokens:
+            req = self.requests.get(tok.seq_id)
+            if req is None or req.status is not Status.RUNNING:
+                continue
+            req.output_token_ids.append(tok.token_id)
+            req.output_logprobs.append(tok.logprob)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = req.stop_reason()
+            if reason is not None:
+                self._finish(req, reason)
+            events.append(TokenEvent(req, tok.token_id, tok.logprob, reason))
+        return events
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._to_drop.append(req.request_id)
+        self.pool.release(req.request_id)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        del self.requests[req.request_id]

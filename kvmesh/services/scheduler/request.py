@@ -1,0 +1,71 @@
+"""A request as the scheduler tracks it: token ids in, token ids out, and how far its KV is computed.
+
+There is no prefill or decode phase: `num_computed_tokens` catches up with `all_token_ids`, one
+chunk per step, which covers chunked prefill, prefix hits and recompute after preemption alike.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvmesh.params import SamplingParams, StoppingParams
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def stop_reason(self) -> FinishReason | None:
+        """Why the request should stop after its latest token, if it should."""
+        last = self.output_token_ids[-1]
+        if not self.stopping.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.EOS
+        if last in self.stopping.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.stopping.max_new_tokens:
+            return FinishReason.LENGTH
+        return None

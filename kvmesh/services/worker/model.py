@@ -1,0 +1,142 @@
+"""The decoder-only transformer (Llama, Mistral, Qwen2) over a flattened batch and a paged KV cache.
+
+The math follows transformers' implementation step for step (RMSNorm in float32, rotary
+embeddings from a float32 table, softmax attention, SiLU-gated MLP) so greedy tokens match it.
+Projections are fused at load time (q|k|v and gate|up) so one step runs few, large matrix
+products; logits are computed only for the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.kernels.attention import SequenceSlice, paged_attention, write_kv
+from kvmesh.services.worker.checkpoint import DTYPES, ModelConfig, load_config, load_weights, rope_inv_freq
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+
+
+@dataclass
+class BatchInput:
+    """One step's flattened batch: every token to run, its position, the slot its KV goes to,
+    each sequence's slice, and which rows need logits (the last row of each sampled sequence)."""
+
+    token_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slots: torch.Tensor  # [T] long
+    seqs: list[SequenceSlice]
+    logit_rows: torch.Tensor  # [S] long
+
+
+def _tensor_names(cfg: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if cfg.qkv_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if cfg.o_bias:
+            names.append(p + "self_attn.o_proj.bias")
+    return names
+
+
+class CausalLM:
+    """A loaded checkpoint. `forward(batch, k_cache, v_cache)` returns float32 logits for
+    `batch.logit_rows`, after writing the batch's K and V into the cache."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.cfg = cfg
+        self.dtype = dtype
+        w = weights
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        self.scale = cfg.head_dim**-0.5
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * rope_inv_freq(cfg)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: str | None = None) -> "CausalLM":
+        """Loads a checkpoint folder; `dtype` overrides the checkpoint's (float32, bfloat16, float16)."""
+        cfg = load_config(model_dir)
+        dtype = dtype or cfg.torch_dtype
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+        weights = load_weights(model_dir, _tensor_names(cfg), DTYPES[dtype])
+        return cls(cfg, weights, DTYPES[dtype])
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        qkv_bias = None
+        if self.cfg.qkv_bias:
+            qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"])
+        return LayerWeights(
+            qkv=torch.cat([w[attn + f"{x}_proj.weight"] for x in "qkv"]),
+            qkv_bias=qkv_bias,
+            o=w[attn + "o_proj.weight"],
+            o_bias=w.get(attn + "o_proj.bias"),
+            gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+            down=w[p + "mlp.down_proj.weight"],
+            input_norm=w[p + "input_layernorm.weight"],
+            post_attention_norm=w[p + "post_attention_layernorm.weight"],
+        )
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return weight * h.to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInput, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """k_cache / v_cache: `[layers, slots, kv_heads, head_dim]`. Returns `[len(logit_rows), vocab]` float32."""
+        cfg = self.cfg
+        t = batch.token_ids.shape[0]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        x = self.embed[batch.token_ids]
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.input_norm)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            q = self._rotate(q, cos, sin)
+            k = self._rotate(k, cos, sin)
+            write_kv(k_cache[i], v_cache[i], batch.slots, k, v)
+            attn = paged_attention(q, k_cache[i], v_cache[i], batch.seqs, self.scale)
+            x = x + F.linear(attn.reshape(t, q_size), layer.o, layer.o_bias)
+            h = self._rms_norm(x, layer.post_attention_norm)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = self._rms_norm(x[batch.logit_rows], self.norm)
+        return F.linear(x, self.lm_head).float()

@@ -1,0 +1,125 @@
+"""The worker core: the physical KV pool, per-sequence state, and one step of the model.
+
+`ModelRunner.step(plan)` applies the plan's deltas (drop, add, extend page tables), runs one
+forward pass over the flattened batch (decode tokens and prefill chunks together), and samples
+every sequence the step brings level with its known tokens. No I/O: the gRPC adapter and the
+in-process engine both call it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.kernels.attention import SequenceSlice, causal_mask
+from kvmesh.services.worker.model import BatchInput, CausalLM
+from kvmesh.services.worker.sampling import SamplingRow, sample
+from kvmesh.step import NewSequence, SampledToken, StepPlan, StepResult
+
+
+class KVPool:
+    """Preallocated K and V tensors, `[layers, num_pages * page_size, kv_heads, head_dim]` each."""
+
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int):
+        cfg = model.cfg
+        shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.k = torch.zeros(shape, dtype=model.dtype)
+        self.v = torch.zeros(shape, dtype=model.dtype)
+
+    @staticmethod
+    def pages_for_budget(model: CausalLM, memory_bytes: int, page_size: int) -> int:
+        """How many pages fit in `memory_bytes` of KV memory."""
+        cfg = model.cfg
+        itemsize = torch.empty((), dtype=model.dtype).element_size()
+        page_bytes = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return max(1, memory_bytes // page_bytes)
+
+
+@dataclass
+class SequenceState:
+    seq_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_row: SamplingRow
+    page_ids: list[int]
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    """Runs steps for the sequences a scheduler places on this worker."""
+
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int = 16):
+        self.model = model
+        self.page_size = page_size
+        self.pool = KVPool(model, num_pages, page_size)
+        self.seqs: dict[str, SequenceState] = {}
+        # Slot offsets of one page, reused to expand page tables without per-token Python work.
+        self._page_offsets = torch.arange(page_size)
+
+    def _add(self, new: NewSequence) -> None:
+        prompt = new.token_ids[: new.num_prompt_tokens]
+        output = list(new.token_ids[new.num_prompt_tokens :])
+        self.seqs[new.seq_id] = SequenceState(
+            seq_id=new.seq_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            sampling_row=SamplingRow(new.sampling, prompt, output),
+            page_ids=list(new.page_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+
+    def _slots(self, state: SequenceState, upto: int) -> torch.Tensor:
+        pages = torch.tensor(state.page_ids[: -(-upto // self.page_size)], dtype=torch.long)
+        return (pages[:, None] * self.page_size + self._page_offsets).flatten()[:upto]
+
+    def _build_batch(self, plan: StepPlan) -> tuple[BatchInput, list[SequenceState]]:
+        tokens, positions, slots, seqs, logit_rows, sampled = [], [], [], [], [], []
+        row = 0
+        window = self.model.cfg.sliding_window
+        for chunk in plan.scheduled:
+            state = self.seqs[chunk.seq_id]
+            state.page_ids.extend(chunk.new_page_ids)
+            start, end = state.num_computed_tokens, state.num_computed_tokens + chunk.num_tokens
+            if end > len(state.page_ids) * self.page_size:
+                raise RuntimeError(f"sequence {chunk.seq_id}: {end} tokens do not fit its {len(state.page_ids)} pages")
+            ctx_slots = self._slots(state, end)
+            tokens.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.append(ctx_slots[start:end])
+            seqs.append(SequenceSlice(row, row + chunk.num_tokens, ctx_slots, causal_mask(chunk.num_tokens, end, window)))
+            row += chunk.num_tokens
+            state.num_computed_tokens = end
+            if end == len(state.token_ids):
+                logit_rows.append(row - 1)
+                sampled.append(state)
+        batch = BatchInput(
+            token_ids=torch.tensor(tokens, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slots=torch.cat(slots),
+            seqs=seqs,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+        )
+        return batch, sampled
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Applies the plan's deltas, runs the forward pass and samples; returns the new tokens."""
+        for seq_id in plan.dropped:
+            self.seqs.pop(seq_id, None)
+        for new in plan.new:
+            self._add(new)
+        if not plan.scheduled:
+            return StepResult(tokens=[])
+        started = time.perf_counter()
+        batch, sampled = self._build_batch(plan)
+        logits = self.model.forward(batch, self.pool.k, self.pool.v)
+        ids, logprobs = sample(logits, [s.sampling_row for s in sampled]) if sampled else ([], [])
+        out = []
+        for state, token_id, logprob in zip(sampled, ids, logprobs):
+            state.token_ids.append(token_id)
+            state.sampling_row.output_ids.append(token_id)
+            out.append(SampledToken(state.seq_id, token_id, logprob))
+        return StepResult(tokens=out, forward_s=time.perf_counter() - started)

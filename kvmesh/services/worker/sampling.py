@@ -1,0 +1,81 @@
+"""Choosing each sequence's next token from its logits.
+
+Order, as transformers applies them: repetition penalty, presence/frequency penalties,
+temperature, top-k, top-p, then a draw. The draw for output position n of a seeded request uses
+a generator seeded from (seed, n) alone, so the same request gives the same tokens alone, inside
+any batch, after preemption and on another worker. The reported logprob is the chosen token's
+log-probability under the model's raw distribution (before any processing), as vLLM reports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A well-mixed 63-bit seed for one output position (splitmix64 of seed and position)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one sequence: its parameters, its tokens and the output position."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+def _apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        scores = logits[seen]
+        logits[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+    if output and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[0]).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if 0 < top_k < logits.shape[0]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= 1 - top_p
+        remove_sorted[-1] = False  # always keep the most likely token
+        logits = logits.masked_fill(remove_sorted.scatter(0, order, remove_sorted), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float]]:
+    """logits: `[len(rows), vocab]` float32. Returns the chosen ids and their raw logprobs."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if all(r.params.greedy and not r.params.has_penalties for r in rows):
+        chosen = logits.argmax(dim=-1)
+    else:
+        chosen = torch.tensor([_sample_row(logits[i].clone(), r) for i, r in enumerate(rows)], dtype=torch.long)
+    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return chosen.tolist(), picked.tolist()
+
+
+def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    p = row.params
+    if p.has_penalties:
+        logits = _apply_penalties(logits, p, row.prompt_ids, row.output_ids)
+    if p.greedy:
+        return int(logits.argmax())
+    logits = _filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
+    generator = torch.Generator().manual_seed(position_seed(p.seed or 0, len(row.output_ids)))
+    return int(torch.multinomial(logits.softmax(dim=-1), 1, generator=generator))

@@ -1,0 +1,63 @@
+"""The step contract between the scheduler and a worker: one StepPlan in, one StepResult out.
+
+The worker keeps each sequence's tokens and page table between steps, so a plan carries only
+deltas: sequences new to the worker, pages appended, sequences to forget. A sequence is sampled
+in a step exactly when the step brings its computed tokens level with its known tokens; the
+scheduler and the worker both apply that rule, so neither has to tell the other.
+The mesh's worker.proto mirrors these types field for field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.params import SamplingParams
+
+
+@dataclass
+class NewSequence:
+    """A sequence the worker has not seen (or has dropped, e.g. after preemption).
+
+    `token_ids` is the prompt plus any output already streamed (a recomputed sequence resumes
+    where it stopped). `num_computed_tokens` tokens already have KV in `page_ids` (prefix hits).
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    page_ids: list[int]
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class ScheduledChunk:
+    """Run `num_tokens` more of this sequence's tokens; `new_page_ids` extend its page table first."""
+
+    seq_id: str
+    num_tokens: int
+    new_page_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    dropped: list[str] = field(default_factory=list)
+    new: list[NewSequence] = field(default_factory=list)
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.scheduled)
+
+
+@dataclass
+class SampledToken:
+    seq_id: str
+    token_id: int
+    logprob: float
+
+
+@dataclass
+class StepResult:
+    tokens: list[SampledToken]
+    forward_s: float = 0.0
