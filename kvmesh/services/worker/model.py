@@ -15,17 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.attention import SequenceSlice, paged_attention, write_kv
+from kvmesh.kernels.linear import PackedLinear
 from kvmesh.services.worker.checkpoint import DTYPES, ModelConfig, load_config, load_weights, rope_inv_freq
 
 
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
 
@@ -68,7 +67,7 @@ class CausalLM:
         w = weights
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = PackedLinear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         self.scale = cfg.head_dim**-0.5
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
@@ -94,12 +93,10 @@ class CausalLM:
         if self.cfg.qkv_bias:
             qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"])
         return LayerWeights(
-            qkv=torch.cat([w[attn + f"{x}_proj.weight"] for x in "qkv"]),
-            qkv_bias=qkv_bias,
-            o=w[attn + "o_proj.weight"],
-            o_bias=w.get(attn + "o_proj.bias"),
-            gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-            down=w[p + "mlp.down_proj.weight"],
+            qkv=PackedLinear(torch.cat([w[attn + f"{x}_proj.weight"] for x in "qkv"]), qkv_bias),
+            o=PackedLinear(w[attn + "o_proj.weight"], w.get(attn + "o_proj.bias")),
+            gate_up=PackedLinear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+            down=PackedLinear(w[p + "mlp.down_proj.weight"]),
             input_norm=w[p + "input_layernorm.weight"],
             post_attention_norm=w[p + "post_attention_layernorm.weight"],
         )
@@ -126,7 +123,7 @@ class CausalLM:
         x = self.embed[batch.token_ids]
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -134,9 +131,9 @@ class CausalLM:
             k = self._rotate(k, cos, sin)
             write_kv(k_cache[i], v_cache[i], batch.slots, k, v)
             attn = paged_attention(q, k_cache[i], v_cache[i], batch.seqs, self.scale)
-            x = x + F.linear(attn.reshape(t, q_size), layer.o, layer.o_bias)
+            x = x + layer.o(attn.reshape(t, q_size))
             h = self._rms_norm(x, layer.post_attention_norm)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         x = self._rms_norm(x[batch.logit_rows], self.norm)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()

@@ -1,0 +1,103 @@
+"""The `kvmesh` command: offline inference, model generation (and, with the mesh, the services).
+
+Every subcommand takes flags; an unknown flag is an error. Sizes accept suffixes (`512MiB`, `2GiB`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB' -> bytes. argparse turns the ValueError into a usage error naming the flag."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 536870912, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, help="Hugging Face checkpoint folder (default: the generated default model)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the checkpoint's dtype")
+    p.add_argument("--kv-memory", type=parse_size, default=1 << 30, help="KV cache memory (default 1GiB)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--max-batched-tokens", type=int, default=1024, help="tokens per step (default 1024)")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="running sequences at most (default 128)")
+    p.add_argument("--victim-policy", choices=["newest", "priority", "size"], default="newest")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prompt prefix sharing")
+    p.add_argument("--threads", type=int, help="torch threads (default: one per core)")
+
+
+def engine_from_args(args: argparse.Namespace):
+    from kvmesh.engine import EngineConfig, LLMEngine, set_threads
+    from kvmesh.modelgen import default_model_dir
+    from kvmesh.services.scheduler.core import SchedulerConfig
+
+    set_threads(args.threads)
+    model_dir = args.model or default_model_dir()
+    config = EngineConfig(
+        model=model_dir,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        kv_memory_bytes=args.kv_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+        scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, args.victim_policy),
+    )
+    return LLMEngine(config), model_dir
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from kvmesh.offline import load_tokenizer, run_offline
+
+    lines = [line for line in args.input.read_text(encoding="utf-8").splitlines() if line.strip()]
+    engine, model_dir = engine_from_args(args)
+    with open(args.output, "w", encoding="utf-8") as out:
+        counts = run_offline(engine, load_tokenizer(model_dir), lines, out, progress=not args.quiet)
+    print(f"{counts['completed']} completed, {counts['errors']} rejected -> {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from kvmesh.modelgen import SIZES, make_model
+
+    out = make_model(args.out, args.arch, seed=args.seed, dtype=args.dtype, **SIZES[args.size])
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: LLM inference over a mesh of gRPC services")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("offline", help="batch inference from a JSONL file")
+    add_engine_flags(p)
+    p.add_argument("--input", type=Path, required=True, help="JSONL requests")
+    p.add_argument("--output", type=Path, required=True, help="JSONL results, in input order")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_offline)
+
+    from kvmesh.modelgen import SIZES
+
+    p = sub.add_parser("make-model", help="write a small random checkpoint with a BPE tokenizer")
+    p.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

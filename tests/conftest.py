@@ -1,0 +1,25 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+# Generated default models go to a per-run cache, never the user's.
+os.environ.setdefault("KVMESH_CACHE", str(Path(__file__).parent.parent / ".pytest_cache" / "kvmesh"))
+
+from reference import save_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory: a random checkpoint saved by transformers, one per (arch, overrides)."""
+    made: dict = {}
+
+    def make(arch: str = "llama", **overrides) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = save_hf_checkpoint(arch, tmp_path_factory.mktemp(arch), **overrides)
+        return made[key]
+
+    return make

@@ -1,0 +1,82 @@
+"""Loading Hugging Face checkpoint folders: variants that must work and errors that must be clear."""
+
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from kvmesh.engine import EngineConfig, LLMEngine
+from kvmesh.params import SamplingParams, StoppingParams
+from kvmesh.services.worker.checkpoint import CheckpointError, load_config
+from kvmesh.services.worker.model import CausalLM
+from reference import assert_matches_reference, hf_greedy, save_hf_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = [5, 77, 301, 12, 9, 250, 33, 480, 61, 2, 140, 19]
+
+
+def greedy_matches(model_dir, n=16):
+    [done] = LLMEngine(EngineConfig(model=model_dir, num_pages=32)).generate(
+        [PROMPT], GREEDY, StoppingParams(max_new_tokens=n, ignore_eos=True))
+    return assert_matches_reference(done.token_ids, done.logprobs, hf_greedy(model_dir, PROMPT, n))
+
+
+def test_sharded_checkpoint_loads_through_its_index(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert greedy_matches(tmp_path) > 0
+
+
+def test_tied_embeddings_and_llama3_rope_scaling_match_transformers(tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model_dir = save_hf_checkpoint("llama", tmp_path, tie_word_embeddings=True, rope_parameters=rope)
+    cfg = load_config(model_dir)
+    assert cfg.tie_word_embeddings and cfg.rope.scaling_type == "llama3"
+    assert greedy_matches(model_dir) > 0
+
+
+def test_mistral_head_dim_and_qwen2_bias_are_read(hf_checkpoint):
+    assert load_config(hf_checkpoint("qwen2")).qkv_bias
+    cfg = load_config(hf_checkpoint("mistral", head_dim=32))
+    assert cfg.head_dim == 32
+    assert greedy_matches(hf_checkpoint("mistral", head_dim=32)) > 0
+
+
+def test_unsupported_architecture_is_named(tmp_path, hf_checkpoint):
+    src = hf_checkpoint("llama")
+    raw = json.loads((src / "config.json").read_text())
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel.*not supported"):
+        load_config(tmp_path)
+
+
+def test_missing_tensor_is_named(tmp_path, hf_checkpoint):
+    src = hf_checkpoint("llama")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.layers.1.mlp.up_proj.weight"):
+        CausalLM.load(tmp_path)
+
+
+def test_folder_without_weights_or_config_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_checkpoints_load_in_their_dtype(tmp_path, dtype):
+    from kvmesh.modelgen import SIZES, make_model
+
+    model_dir = make_model(tmp_path, "llama", dtype=dtype, **SIZES["tiny"])
+    model = CausalLM.load(model_dir)
+    assert str(model.dtype) == f"torch.{dtype}"
+    [done] = LLMEngine(EngineConfig(num_pages=16), model=model).generate([PROMPT], GREEDY, StoppingParams(max_new_tokens=4))
+    assert len(done.token_ids) >= 1

@@ -1,0 +1,214 @@
+"""The in-process engine against transformers: same tokens, whatever the batch, preemption or cache."""
+
+import random
+
+import pytest
+import torch
+
+from kvmesh.engine import EngineConfig, LLMEngine
+from kvmesh.params import InvalidRequest, SamplingParams, StoppingParams
+from kvmesh.services.scheduler.core import SchedulerConfig
+from kvmesh.services.scheduler.request import FinishReason
+from kvmesh.kernels.attention import SequenceSlice
+from kvmesh.services.worker.model import BatchInput, CausalLM
+from kvmesh.services.worker.runner import ModelRunner
+from reference import assert_matches_reference, hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0)
+ARCHS = ["llama", "mistral", "qwen2"]
+
+
+def random_prompts(n: int, lengths: tuple[int, int], seed: int, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def run_staggered(engine: LLMEngine, prompts, stopping, sampling=GREEDY, every: int = 3):
+    """Adds one prompt every `every` steps, so requests join a batch that is already running.
+    `sampling` is one SamplingParams for all, or one per prompt."""
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    reqs, pending, steps = [], list(zip(prompts, samplings)), 0
+    while pending or engine.has_unfinished():
+        if pending and steps % every == 0:
+            prompt, params = pending.pop(0)
+            reqs.append(engine.add_request(prompt, params, stopping))
+        engine.step()
+        steps += 1
+    return reqs
+
+
+def assert_all_pages_returned(engine: LLMEngine) -> None:
+    stats = engine.page_stats()
+    assert stats.used == 0 and stats.free + stats.cached == stats.total, stats
+    engine.pool.check()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_prompt_greedy_matches_transformers(hf_checkpoint, arch):
+    model_dir = hf_checkpoint(arch)
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=64))
+    prompt = random_prompts(1, (20, 20), seed=1)[0]
+    [done] = engine.generate([prompt], GREEDY, StoppingParams(max_new_tokens=24, ignore_eos=True))
+    assert done.finish_reason is FinishReason.LENGTH
+    assert assert_matches_reference(done.token_ids, done.logprobs, hf_greedy(model_dir, prompt, 24)) > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_staggered_batch_of_eight_matches_transformers(hf_checkpoint, arch):
+    model_dir = hf_checkpoint(arch)
+    # A small token budget forces the long prompts (over 3 pages) to prefill in chunks beside decodes.
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=128, scheduler=SchedulerConfig(max_batched_tokens=40)))
+    prompts = random_prompts(8, (5, 90), seed=2)
+    assert sum(len(p) > 48 for p in prompts) >= 2
+    stop = StoppingParams(max_new_tokens=16, ignore_eos=True)
+    reqs = run_staggered(engine, prompts, stop)
+    for prompt, req in zip(prompts, reqs):
+        assert_matches_reference(req.output_token_ids, req.output_logprobs, hf_greedy(model_dir, prompt, 16))
+    assert_all_pages_returned(engine)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption_under_a_tiny_pool_keeps_tokens_exact(hf_checkpoint, arch):
+    model_dir = hf_checkpoint(arch)
+    # 12 pages of 16 tokens cannot hold six sequences growing to ~60 tokens each at once.
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=12, enable_prefix_caching=False))
+    prompts = random_prompts(6, (20, 40), seed=3)
+    reqs = run_staggered(engine, prompts, StoppingParams(max_new_tokens=24, ignore_eos=True), every=1)
+    assert sum(r.num_preemptions for r in reqs) > 0, "the pool was meant to force preemption"
+    for prompt, req in zip(prompts, reqs):
+        assert_matches_reference(req.output_token_ids, req.output_logprobs, hf_greedy(model_dir, prompt, 24))
+    assert engine.page_stats().free == engine.page_stats().total
+
+
+def test_prefix_hit_reports_cached_tokens_and_same_tokens(hf_checkpoint):
+    model_dir = hf_checkpoint("llama")
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=64))
+    shared = random_prompts(1, (70, 70), seed=4)[0]
+    a, b = shared + [7, 8, 9], shared + [10, 11]
+    stop = StoppingParams(max_new_tokens=12, ignore_eos=True)
+    [first] = engine.generate([a], GREEDY, stop)
+    [second] = engine.generate([b], GREEDY, stop)
+    assert first.num_cached_prompt_tokens == 0
+    assert second.num_cached_prompt_tokens == 64  # four full pages of the shared 70 tokens
+    assert_matches_reference(second.token_ids, second.logprobs, hf_greedy(model_dir, b, 12))
+    [again] = engine.generate([a], GREEDY, stop)
+    assert again.token_ids == first.token_ids and again.num_cached_prompt_tokens == 64
+    assert_all_pages_returned(engine)
+
+
+def full_sequence_logprobs(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
+    """Log-softmax at every position of one sequence, in a fresh KV pool (one prefill)."""
+    runner = ModelRunner(model, num_pages=-(-len(token_ids) // 16), page_size=16)
+    slots = torch.arange(len(token_ids))
+    batch = BatchInput(torch.tensor(token_ids), slots.clone(), slots, [SequenceSlice(0, len(token_ids), slots, None)], slots)
+    return torch.log_softmax(model.forward(batch, runner.pool.k, runner.pool.v), dim=-1)
+
+
+def test_bfloat16_stays_close_to_float32(hf_checkpoint):
+    """Tolerance: over every position of 4 sequences, bfloat16's log-probabilities are within 0.1
+    nats of float32's (mean under 0.02), and its top token agrees wherever float32's top two
+    are more than 0.1 apart. Greedy runs of random tiny models flip on near-ties, so the check
+    is made on the same tokens (teacher forcing), not on two free-running generations."""
+    model_dir = hf_checkpoint("llama")
+    f32, bf16 = CausalLM.load(model_dir), CausalLM.load(model_dir, "bfloat16")
+    assert bf16.embed.dtype == torch.bfloat16
+    for prompt in random_prompts(4, (10, 60), seed=5):
+        [done] = LLMEngine(EngineConfig(num_pages=64), model=bf16).generate(
+            [prompt], GREEDY, StoppingParams(max_new_tokens=8, ignore_eos=True))
+        assert len(done.token_ids) == 8  # bfloat16 runs end to end
+        tokens = prompt + done.token_ids
+        a, b = full_sequence_logprobs(f32, tokens), full_sequence_logprobs(bf16, tokens)
+        diff = (a - b).abs()
+        assert diff.max() < 0.1 and diff.mean() < 0.02, (diff.max(), diff.mean())
+        top2 = a.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.1
+        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
+def test_seeded_sampling_is_the_same_alone_in_a_batch_and_after_preemption(hf_checkpoint):
+    model_dir = hf_checkpoint("llama")
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=100, seed=1234)
+    stop = StoppingParams(max_new_tokens=20, ignore_eos=True)
+    prompt = random_prompts(1, (30, 30), seed=6)[0]
+    [alone] = LLMEngine(EngineConfig(model=model_dir, num_pages=64)).generate([prompt], sampling, stop)
+
+    others = random_prompts(5, (5, 60), seed=7)
+    batched = LLMEngine(EngineConfig(model=model_dir, num_pages=64))
+    unseeded = SamplingParams(temperature=1.0)
+    mix = [unseeded, unseeded, sampling, unseeded, unseeded, unseeded]
+    reqs = run_staggered(batched, others[:2] + [prompt] + others[2:], stop, sampling=mix, every=1)
+    assert reqs[2].output_token_ids == alone.token_ids
+
+    tight = LLMEngine(EngineConfig(model=model_dir, num_pages=9, enable_prefix_caching=False))
+    reqs = run_staggered(tight, [prompt] + others, stop, sampling=sampling, every=1)
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert reqs[0].output_token_ids == alone.token_ids
+    # Different seeds do sample differently.
+    [other_seed] = LLMEngine(EngineConfig(model=model_dir, num_pages=64)).generate(
+        [prompt], SamplingParams(temperature=0.9, top_p=0.95, top_k=100, seed=99), stop)
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_stops_on_eos_stop_token_and_length(hf_checkpoint):
+    model_dir = hf_checkpoint("llama")
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=64))
+    prompt = random_prompts(1, (12, 12), seed=8)[0]
+    [free_run] = engine.generate([prompt], GREEDY, StoppingParams(max_new_tokens=10, ignore_eos=True))
+    stop_at = free_run.token_ids[4]
+    [stopped] = engine.generate([prompt], GREEDY, StoppingParams(max_new_tokens=10, stop_token_ids=(stop_at,), ignore_eos=True))
+    first = free_run.token_ids.index(stop_at)
+    assert stopped.finish_reason is FinishReason.STOP and stopped.token_ids == free_run.token_ids[: first + 1]
+    # The same weights with that token as the checkpoint's EOS: a request that does not ignore EOS ends there.
+    eos_dir = hf_checkpoint("llama", eos_token_id=stop_at)
+    [eos] = LLMEngine(EngineConfig(model=eos_dir, num_pages=64)).generate([prompt], GREEDY, StoppingParams(max_new_tokens=10))
+    assert eos.finish_reason is FinishReason.EOS and eos.token_ids == free_run.token_ids[: first + 1]
+
+
+@pytest.mark.parametrize(
+    "prompt_len, sampling, stopping, field",
+    [
+        (0, GREEDY, StoppingParams(), "prompt"),
+        (600, GREEDY, StoppingParams(max_new_tokens=1), "prompt"),
+        (500, GREEDY, StoppingParams(max_new_tokens=20), "max_new_tokens"),
+        (5, GREEDY, StoppingParams(max_new_tokens=0), "max_new_tokens"),
+        (5, SamplingParams(temperature=-0.5), StoppingParams(), "temperature"),
+        (5, SamplingParams(top_p=0.0), StoppingParams(), "top_p"),
+        (5, SamplingParams(top_p=1.5), StoppingParams(), "top_p"),
+        (5, SamplingParams(top_k=-1), StoppingParams(), "top_k"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_the_batch_carries_on(hf_checkpoint, prompt_len, sampling, stopping, field):
+    model_dir = hf_checkpoint("llama")  # context 512
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=64))
+    good = random_prompts(2, (10, 30), seed=9)
+    stop = StoppingParams(max_new_tokens=8, ignore_eos=True)
+    reqs = [engine.add_request(good[0], GREEDY, stop)]
+    engine.step()
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request([5] * prompt_len, sampling, stopping)
+    assert err.value.field == field and field in str(err.value)
+    reqs.append(engine.add_request(good[1], GREEDY, stop))
+    while engine.has_unfinished():
+        engine.step()
+    for prompt, req in zip(good, reqs):
+        assert req.finish_reason is FinishReason.LENGTH
+        assert_matches_reference(req.output_token_ids, req.output_logprobs, hf_greedy(model_dir, prompt, 8))
+
+
+def test_every_page_returns_after_finish_preemption_and_cancel(hf_checkpoint):
+    model_dir = hf_checkpoint("llama")
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=10))
+    prompts = random_prompts(6, (10, 50), seed=10)
+    reqs = [engine.add_request(p, GREEDY, StoppingParams(max_new_tokens=30, ignore_eos=True)) for p in prompts]
+    for _ in range(6):
+        engine.step()
+    engine.abort(reqs[0].request_id)  # running
+    engine.abort(reqs[-1].request_id)  # likely still waiting
+    with pytest.raises(InvalidRequest):
+        engine.add_request([5] * 10, SamplingParams(top_k=-3), StoppingParams())
+    while engine.has_unfinished():
+        engine.step()
+        engine.pool.check()
+    assert engine.scheduler.num_preemptions > 0
+    assert {r.finish_reason for r in reqs} == {FinishReason.CANCELLED, FinishReason.LENGTH}
+    assert_all_pages_returned(engine)
