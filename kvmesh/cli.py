@@ -71,6 +71,67 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVICES = ("router", "scheduler", "kvcache", "worker")
+
+
+def _service_config_class(service: str):
+    from kvmesh.services import config as c
+
+    return {"router": c.RouterConfig, "scheduler": c.SchedulerServiceConfig,
+            "kvcache": c.KVCacheServiceConfig, "worker": c.WorkerConfig}[service]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import importlib
+    import logging
+
+    from kvmesh.services import config as c
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cls = _service_config_class(args.service)
+    c.check_environment([c.CommonConfig, cls])
+    common, cfg = c.from_args(c.CommonConfig, args), c.from_args(cls, args)
+    if args.check:
+        print(f"{args.service}: configuration ok: {common} {cfg}")
+        return 0
+    module = importlib.import_module(f"kvmesh.services.{args.service}.server")
+    asyncio.run(module.serve(common, cfg))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvmesh.services.launcher import up
+
+    return up(str(args.model) if args.model else None, args.workers, args.redis_url, args.port)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvmesh.v1 import generation_pb2 as gen
+    from kvmesh.v1 import generation_pb2_grpc
+
+    request = gen.GenerateRequest(model=args.model, prompt=args.prompt,
+                                  sampling=gen.SamplingParams(temperature=args.temperature),
+                                  stopping=gen.StoppingParams(max_new_tokens=args.max_new_tokens, stop=args.stop))
+    with grpc.insecure_channel(args.addr) as channel:
+        try:
+            for response in generation_pb2_grpc.GenerationStub(channel).Generate(request):
+                for token in response.tokens:
+                    print(token.text, end="", flush=True)
+                if response.HasField("finish"):
+                    f = response.finish
+                    print(f"\n[{gen.FinishReason.Name(f.reason).lower()}] prompt {f.prompt_tokens} tokens "
+                          f"({f.cached_prompt_tokens} cached), completion {f.completion_tokens} tokens; "
+                          f"queue {f.queue_ms:.0f} ms, first token {f.ttft_ms:.0f} ms, total {f.total_ms:.0f} ms",
+                          file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: LLM inference over a mesh of gRPC services")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +152,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)
+
+    from kvmesh.services import config as c
+
+    p = sub.add_parser("serve", help="run one service of the mesh")
+    services = p.add_subparsers(dest="service", required=True)
+    for name in SERVICES:
+        sp = services.add_parser(name, help=f"run the {name}")
+        c.add_flags(sp, c.CommonConfig)
+        c.add_flags(sp, _service_config_class(name))
+        sp.add_argument("--check", action="store_true", help="validate the configuration and exit")
+        sp.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("up", help="run a whole local mesh (Redis, kvcache, scheduler, workers, router)")
+    p.add_argument("--model", type=Path, help="checkpoint folder (default: the generated default model)")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
+    p.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("generate", help="stream a completion from a running mesh")
+    p.add_argument("prompt")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--model", default="")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 

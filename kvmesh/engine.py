@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.params import InvalidRequest, SamplingParams, StoppingParams, validate_request
+from kvmesh.params import SamplingParams, StoppingParams, validate_request
 from kvmesh.services.kvcache.pages import PagePool, PageStats
 from kvmesh.services.scheduler.core import Scheduler, SchedulerConfig, TokenEvent
 from kvmesh.services.scheduler.request import FinishReason, Request
@@ -83,12 +83,6 @@ class LLMEngine:
         """Validates and queues a request; raises InvalidRequest naming the field and the limit."""
         cfg = self.model.cfg
         validate_request(prompt_token_ids, sampling, stopping, max_context=self.max_context, vocab_size=cfg.vocab_size)
-        pages = self.pool.pages_needed(len(prompt_token_ids) + stopping.max_new_tokens)
-        if pages > self.pool.num_pages:
-            raise InvalidRequest(
-                "max_new_tokens",
-                f"prompt plus max_new_tokens needs {pages} KV pages, over this worker's {self.pool.num_pages}",
-            )
         if sampling.seed is None:
             # A fixed seed per request makes its stream reproducible through preemption.
             sampling = replace(sampling, seed=self._seeds.getrandbits(63))
@@ -100,6 +94,7 @@ class LLMEngine:
             eos_token_ids=cfg.eos_token_ids,
             priority=priority,
         )
+        self.scheduler.check_fits(req)
         self.scheduler.add(req)
         return req
 

@@ -14,6 +14,7 @@ import bisect
 import time
 from dataclasses import dataclass
 
+from kvmesh.params import InvalidRequest
 from kvmesh.services.kvcache.pages import PagePool
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan, StepResult
@@ -48,6 +49,7 @@ class TokenEvent:
     token_id: int | None
     logprob: float | None
     finish_reason: FinishReason | None = None
+    message: str = ""  # why, for an ERROR finish
 
 
 def _admission_key(r: Request):
@@ -68,6 +70,15 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- intake --------------------------------------------------------------------------------
+
+    def check_fits(self, request: Request) -> None:
+        """Raises InvalidRequest when the request could never fit this worker's pool, even alone."""
+        pages = self.pool.pages_needed(len(request.prompt_token_ids) + request.stopping.max_new_tokens)
+        if pages > self.pool.num_pages:
+            raise InvalidRequest(
+                "max_new_tokens",
+                f"prompt plus max_new_tokens needs {pages} KV pages, over this worker's {self.pool.num_pages}",
+            )
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -1,0 +1,100 @@
+"""Typed service configuration from CLI flags and `KVMESH_*` variables.
+
+Each service has one frozen dataclass. `add_flags` turns its fields into `--flag-name` options
+whose defaults come from `KVMESH_FLAG_NAME` when set; an unknown flag is an argparse error and
+an unknown `KVMESH_*` variable is an error naming it. Precedence: flag, then variable, then default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+# Variables read outside service configs (the model cache folder).
+GLOBAL_VARIABLES = {"KVMESH_CACHE"}
+
+
+def env_name(field_name: str) -> str:
+    return "KVMESH_" + field_name.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds one flag per field of the config dataclass `cls`."""
+    for f in dataclasses.fields(cls):
+        kind = f.type if isinstance(f.type, type) else eval(f.type, {}, {})  # fields use plain builtins
+        parse = _parse_bool if kind is bool else kind
+        default = f.default
+        env = os.environ.get(env_name(f.name))
+        if env is not None:
+            try:
+                default = parse(env)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                parser.error(f"{env_name(f.name)}={env!r}: {e}")
+        help_text = f.metadata.get("help", "")
+        parser.add_argument("--" + f.name.replace("_", "-"), type=parse, default=default,
+                            help=f"{help_text} (env {env_name(f.name)}; default {default!r})")
+
+
+def from_args(cls: type, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def check_environment(classes: list[type]) -> None:
+    """Raises ValueError for a KVMESH_* variable that no service setting reads."""
+    known = {env_name(f.name) for cls in classes for f in dataclasses.fields(cls)} | GLOBAL_VARIABLES
+    unknown = sorted(k for k in os.environ if k.startswith("KVMESH_") and k not in known)
+    if unknown:
+        raise ValueError(f"unknown setting {unknown[0]} (known: {', '.join(sorted(known))})")
+
+
+def _help(text: str):
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    redis_url: str = dataclasses.field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis for registry and state"))
+    host: str = dataclasses.field(default="127.0.0.1", metadata=_help("address to listen on"))
+    advertise_host: str = dataclasses.field(default="", metadata=_help("address others use to reach this service (default: host)"))
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    port: int = dataclasses.field(default=50054, metadata=_help("gRPC port (0: pick a free one)"))
+    worker_id: str = dataclasses.field(default="", metadata=_help("stable id (default: host:port)"))
+    model: str = dataclasses.field(default="", metadata=_help("checkpoint folder (default: the generated default model)"))
+    dtype: str = dataclasses.field(default="", metadata=_help("float32, bfloat16 or float16 (default: the checkpoint's)"))
+    kv_memory_mib: int = dataclasses.field(default=1024, metadata=_help("KV cache memory"))
+    page_size: int = dataclasses.field(default=16, metadata=_help("tokens per KV page"))
+    threads: int = dataclasses.field(default=0, metadata=_help("torch threads (0: one per core)"))
+
+
+@dataclass(frozen=True)
+class SchedulerServiceConfig:
+    port: int = dataclasses.field(default=50052, metadata=_help("gRPC port (0: pick a free one)"))
+    max_batched_tokens: int = dataclasses.field(default=1024, metadata=_help("tokens per step"))
+    max_num_seqs: int = dataclasses.field(default=128, metadata=_help("running sequences per worker"))
+    victim_policy: str = dataclasses.field(default="newest", metadata=_help("newest, priority or size"))
+    prefix_caching: bool = dataclasses.field(default=True, metadata=_help("share prompt prefixes"))
+
+
+@dataclass(frozen=True)
+class KVCacheServiceConfig:
+    port: int = dataclasses.field(default=50053, metadata=_help("gRPC port (0: pick a free one)"))
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    port: int = dataclasses.field(default=50051, metadata=_help("gRPC port (0: pick a free one)"))
+    model: str = dataclasses.field(default="", metadata=_help("checkpoint folder whose tokenizer the router uses (default model if empty)"))
+    model_name: str = dataclasses.field(default="default", metadata=_help("the name clients use in GenerateRequest.model"))

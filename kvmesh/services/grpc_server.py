@@ -1,0 +1,52 @@
+"""What every service's gRPC server has: grpc.health.v1 (NOT_SERVING until ready) and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ServiceServer:
+    """A grpc.aio server with health and reflection; `port` is the bound port (0 picks one)."""
+
+    def __init__(self, service_names: list[str], add_servicers: Callable[[grpc.aio.Server], None], host: str, port: int):
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        add_servicers(self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = service_names
+        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.set_serving(False)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def wait_for_termination(stop: Callable[[], "asyncio.Future | None"]) -> None:
+    """Runs until SIGINT or SIGTERM, then awaits `stop()`."""
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    await stop()

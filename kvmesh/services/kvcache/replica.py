@@ -1,0 +1,63 @@
+"""Page-pool replication by operation log.
+
+The scheduler decides with its own `RecordingPagePool` (no network call inside a step) and
+ships the step's operations to the kvcache service in one batched call after the step; the
+service replays them on its copy. PagePool is deterministic, so both copies stay identical;
+`apply_ops` reports a divergence when a replayed GROW hands out different pages.
+"""
+
+from __future__ import annotations
+
+from kvmesh.services.kvcache.pages import PagePool
+from kvmesh.v1 import kvcache_pb2
+
+Op = kvcache_pb2.PageOp
+
+
+class RecordingPagePool(PagePool):
+    """A PagePool that records every change as a PageOp until `drain()`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ops: list[kvcache_pb2.PageOp] = []
+
+    def open(self, seq_id, prefix_pages):
+        super().open(seq_id, prefix_pages)
+        self.ops.append(Op(kind=Op.OPEN, seq_id=seq_id, page_ids=prefix_pages))
+
+    def grow(self, seq_id, num_tokens):
+        pages = super().grow(seq_id, num_tokens)
+        if pages:
+            self.ops.append(Op(kind=Op.GROW, seq_id=seq_id, num_tokens=num_tokens, page_ids=pages))
+        return pages
+
+    def commit(self, seq_id, token_ids, num_computed):
+        before = len(self.tables[seq_id].hashes) if seq_id in self.tables else 0
+        super().commit(seq_id, token_ids, num_computed)
+        if seq_id in self.tables and len(self.tables[seq_id].hashes) > before:
+            self.ops.append(Op(kind=Op.COMMIT, seq_id=seq_id, num_tokens=num_computed,
+                               token_ids=token_ids[: len(self.tables[seq_id].hashes) * self.page_size]))
+
+    def release(self, seq_id):
+        if seq_id in self.tables:
+            self.ops.append(Op(kind=Op.RELEASE, seq_id=seq_id))
+        super().release(seq_id)
+
+    def drain(self) -> list[kvcache_pb2.PageOp]:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+def apply_ops(pool: PagePool, ops) -> bool:
+    """Replays ops in order; returns True if the replica diverged from the recorder."""
+    for op in ops:
+        if op.kind == Op.OPEN:
+            pool.open(op.seq_id, list(op.page_ids))
+        elif op.kind == Op.GROW:
+            if pool.grow(op.seq_id, op.num_tokens) != list(op.page_ids):
+                return True
+        elif op.kind == Op.COMMIT:
+            pool.commit(op.seq_id, list(op.token_ids), op.num_tokens)
+        elif op.kind == Op.RELEASE:
+            pool.release(op.seq_id)
+    return False

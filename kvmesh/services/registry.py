@@ -1,0 +1,70 @@
+"""The service registry in Redis: TTL leases that each service renews with a heartbeat.
+
+A service writes `kvmesh:svc:<kind>:<id>` (a JSON record with its address and facts) with a TTL
+and renews it every third of the TTL; a process that dies disappears when its lease expires,
+so adding or removing a process needs no configuration change. Worker epochs live here too:
+`kvmesh:worker:<id>:epoch` is bumped at every worker start. This module is the only one that
+builds these key strings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import redis.asyncio as aioredis
+
+log = logging.getLogger(__name__)
+
+PREFIX = "kvmesh:"
+KINDS = ("router", "scheduler", "kvcache", "worker")
+
+
+def _service_key(kind: str, instance_id: str) -> str:
+    return f"{PREFIX}svc:{kind}:{instance_id}"
+
+
+class Registry:
+    """Registers this process and finds the others. All methods are coroutines."""
+
+    def __init__(self, redis_url: str, lease_s: float = 6.0):
+        self.redis = aioredis.from_url(redis_url, decode_responses=True)
+        self.lease_s = lease_s
+        self._heartbeats: list[asyncio.Task] = []
+
+    async def register(self, kind: str, instance_id: str, record: dict) -> None:
+        """Writes the lease now and keeps renewing it until `close()`."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        key = _service_key(kind, instance_id)
+        payload = json.dumps({"id": instance_id, "kind": kind, **record})
+        await self.redis.set(key, payload, px=int(self.lease_s * 1000))
+        self._heartbeats.append(asyncio.create_task(self._renew(key, payload)))
+
+    async def _renew(self, key: str, payload: str) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                await self.redis.set(key, payload, px=int(self.lease_s * 1000))
+            except Exception as e:  # Redis down: keep serving, retry at the next beat
+                log.warning("lease renewal for %s failed: %s", key, e)
+
+    async def deregister(self, kind: str, instance_id: str) -> None:
+        await self.redis.delete(_service_key(kind, instance_id))
+
+    async def services(self, kind: str) -> list[dict]:
+        """Records of the live services of one kind, sorted by id."""
+        keys = [k async for k in self.redis.scan_iter(match=_service_key(kind, "*"), count=100)]
+        if not keys:
+            return []
+        values = await self.redis.mget(keys)
+        return sorted((json.loads(v) for v in values if v), key=lambda r: r["id"])
+
+    async def next_epoch(self, worker_id: str) -> int:
+        return int(await self.redis.incr(f"{PREFIX}worker:{worker_id}:epoch"))
+
+    async def close(self) -> None:
+        for task in self._heartbeats:
+            task.cancel()
+        await self.redis.aclose()

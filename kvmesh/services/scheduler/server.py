@@ -1,0 +1,264 @@
+"""The scheduler's gRPC adapter: `Scheduler/Submit`, and one batching loop per worker.
+
+Each worker found in the registry gets a `WorkerLoop`: a page-pool replica, the scheduler core,
+and one long-lived `Worker/Step` stream (one round trip per step). After each step the loop hands
+tokens to the requests' streams and ships the step's page operations to the kvcache service in
+one write-behind call. A worker whose stream breaks fails its requests with an ERROR finish
+(never a hang) and is no longer chosen. Queue state is written to Redis every half second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+
+import grpc
+
+from kvmesh.params import InvalidRequest
+from kvmesh.services import wire
+from kvmesh.services.config import CommonConfig, SchedulerServiceConfig
+from kvmesh.services.grpc_server import ServiceServer, wait_for_termination
+from kvmesh.services.kvcache.replica import RecordingPagePool
+from kvmesh.services.registry import PREFIX, Registry
+from kvmesh.services.scheduler.core import Scheduler, SchedulerConfig, TokenEvent
+from kvmesh.services.scheduler.request import FinishReason, Request
+from kvmesh.v1 import generation_pb2 as gen
+from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("kvmesh.scheduler")
+
+_REASONS = {r: gen.FinishReason.Value(r.name) for r in FinishReason}
+
+
+class WorkerGone(Exception):
+    pass
+
+
+class WorkerLoop:
+    """Continuous batching for one worker."""
+
+    def __init__(self, record: dict, info: worker_pb2.WorkerInfo, cfg: SchedulerServiceConfig, kvcache):
+        self.worker_id = record["id"]
+        self.address = record["address"]
+        self.info = info
+        self.pool = RecordingPagePool(info.num_pages, info.page_size, cfg.prefix_caching)
+        self.core = Scheduler(self.pool, SchedulerConfig(cfg.max_batched_tokens, cfg.max_num_seqs, cfg.victim_policy))
+        self.kvcache = kvcache
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.wake = asyncio.Event()
+        self.alive = True
+        self._page_ops: asyncio.Queue = asyncio.Queue()
+
+    @property
+    def load(self) -> int:
+        return len(self.core.running) + len(self.core.waiting)
+
+    def submit(self, req: Request) -> asyncio.Queue:
+        self.core.check_fits(req)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[req.request_id] = queue
+        self.core.add(req)
+        self.wake.set()
+        return queue
+
+    def cancel(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+        self.core.abort(request_id)
+        self.wake.set()
+
+    async def run(self, channel: grpc.aio.Channel) -> None:
+        shipper = asyncio.create_task(self._ship_page_ops())
+        call = worker_pb2_grpc.WorkerStub(channel).Step()
+        step = 0
+        try:
+            while True:
+                if not self.core.has_unfinished():
+                    self._queue_ops()
+                    self.wake.clear()
+                    await self.wake.wait()
+                plan = self.core.schedule()
+                step += 1
+                await call.write(wire.plan_to_proto(step, plan))
+                result = await call.read()
+                if result is grpc.aio.EOF:
+                    raise WorkerGone("the worker closed its step stream")
+                if result.error:
+                    self._fail([c.seq_id for c in plan.scheduled], f"worker {self.worker_id} step failed: {result.error}")
+                    continue
+                self._dispatch(self.core.update(plan, wire.result_from_proto(result)))
+                self._queue_ops()
+        except (grpc.aio.AioRpcError, WorkerGone) as e:
+            log.error("worker %s is gone: %s", self.worker_id, e)
+        finally:
+            self.alive = False
+            self._fail(list(self.core.requests), f"worker {self.worker_id} failed")
+            await self._page_ops.put(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True))
+            await self._page_ops.put(None)
+            await shipper
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            queue = self.streams.get(event.request.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+
+    def _fail(self, request_ids: list[str], message: str) -> None:
+        for request_id in request_ids:
+            event = self.core.abort(request_id, FinishReason.ERROR)
+            queue = self.streams.get(request_id)
+            if event is not None and queue is not None:
+                event.message = message
+                queue.put_nowait(event)
+
+    def _queue_ops(self) -> None:
+        ops = self.pool.drain()
+        if ops:
+            self._page_ops.put_nowait(kvcache_pb2.ApplyRequest(
+                worker_id=self.worker_id, epoch=self.info.epoch, num_pages=self.info.num_pages,
+                page_size=self.info.page_size, ops=ops))
+
+    async def _ship_page_ops(self) -> None:
+        """Sends page operations to kvcache in order, off the batching loop's path."""
+        while (request := await self._page_ops.get()) is not None:
+            stub = self.kvcache()
+            if stub is None:
+                continue
+            try:
+                await stub.Apply(request, timeout=5)
+            except grpc.aio.AioRpcError as e:
+                log.warning("kvcache Apply for %s failed: %s", self.worker_id, e.code())
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    """Submit: validated token ids in (the router validates text-level input), a stream of
+    TokenEvents out, the last with its finish reason. Errors: UNAVAILABLE when no worker is
+    ready, INVALID_ARGUMENT when the request cannot fit a worker's KV pool."""
+
+    def __init__(self, cfg: SchedulerServiceConfig, registry: Registry):
+        self.cfg = cfg
+        self.registry = registry
+        self.workers: dict[str, WorkerLoop] = {}
+        self._kvcache_stub = None
+
+    def kvcache(self):
+        return self._kvcache_stub
+
+    def pick_worker(self) -> WorkerLoop | None:
+        alive = [w for w in self.workers.values() if w.alive]
+        return min(alive, key=lambda w: (w.load, w.worker_id)) if alive else None
+
+    async def Submit(self, request, context):
+        worker = self.pick_worker()
+        if worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        req = Request(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=wire.sampling_from_proto(request.sampling),
+            stopping=wire.stopping_from_proto(request.stopping),
+            eos_token_ids=tuple(worker.info.eos_token_ids),
+            priority=request.priority,
+        )
+        try:
+            queue = worker.submit(req)
+        except (InvalidRequest, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finished = False
+        try:
+            while not finished:
+                event: TokenEvent = await queue.get()
+                finished = event.finish_reason is not None
+                yield _event_to_proto(event, worker.worker_id)
+        finally:
+            if not finished:  # the client went away or its deadline passed
+                worker.cancel(req.request_id)
+
+    async def discover(self) -> None:
+        """Keeps `workers` in step with the registry: new workers get a loop."""
+        while True:
+            try:
+                await self._refresh()
+            except Exception as e:  # Redis hiccup: try again next round
+                log.warning("worker discovery failed: %s", e)
+            await asyncio.sleep(0.5)
+
+    async def _refresh(self) -> None:
+        kv = await self.registry.services("kvcache")
+        if kv and self._kvcache_stub is None:
+            self._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(grpc.aio.insecure_channel(kv[0]["address"]))
+        for record in await self.registry.services("worker"):
+            current = self.workers.get(record["id"])
+            if current is not None and current.alive and current.info.epoch == record["epoch"]:
+                continue
+            channel = grpc.aio.insecure_channel(record["address"])
+            try:
+                info = await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=2)
+            except grpc.aio.AioRpcError:
+                await channel.close()
+                continue
+            if current is not None and current.alive:
+                current.alive = False  # restarted under the same id: the old loop's stream will break
+            loop = WorkerLoop(record, info, self.cfg, self.kvcache)
+            self.workers[record["id"]] = loop
+            asyncio.create_task(loop.run(channel))
+            log.info("scheduling on worker %s at %s", loop.worker_id, loop.address)
+
+    async def publish_queue_state(self, scheduler_id: str) -> None:
+        """Queue depth and estimated tokens per worker, for the router and autoscaling."""
+        key = f"{PREFIX}queue:{scheduler_id}"
+        while True:
+            state = {}
+            for w in self.workers.values():
+                waiting = w.core.waiting
+                state[w.worker_id] = {
+                    "alive": w.alive,
+                    "waiting": len(waiting),
+                    "running": len(w.core.running),
+                    "estimated_tokens": sum(r.num_tokens + r.stopping.max_new_tokens for r in waiting),
+                }
+            try:
+                await self.registry.redis.set(key, json.dumps(state), px=3000)
+            except Exception as e:
+                log.warning("queue state write failed: %s", e)
+            await asyncio.sleep(0.5)
+
+
+def _event_to_proto(event: TokenEvent, worker_id: str) -> scheduler_pb2.TokenEvent:
+    m = scheduler_pb2.TokenEvent(worker_id=worker_id)
+    if event.token_id is not None:
+        m.token_ids.append(event.token_id)
+        m.logprobs.append(event.logprob)
+    if event.finish_reason is not None:
+        req = event.request
+        m.finish_reason = _REASONS[event.finish_reason]
+        m.cached_prompt_tokens = req.num_cached_prompt_tokens
+        started = req.first_scheduled_time or req.finish_time or time.monotonic()
+        m.queue_ms = (started - req.arrival_time) * 1000
+        m.message = event.message
+    return m
+
+
+async def serve(common: CommonConfig, cfg: SchedulerServiceConfig) -> None:
+    registry = Registry(common.redis_url)
+    service = SchedulerService(cfg, registry)
+    server = ServiceServer(["kvmesh.v1.Scheduler"], lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, s),
+                           common.host, cfg.port)
+    await server.start()
+    address = f"{common.advertise_host or common.host}:{server.port}"
+    tasks = [asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state(address))]
+    await registry.register("scheduler", address, {"address": address, "pid": os.getpid()})
+    await server.set_serving(True)
+    print(f"scheduler ready on {address}", flush=True)
+
+    async def stop():
+        for t in tasks:
+            t.cancel()
+        await registry.deregister("scheduler", address)
+        await registry.close()
+        await server.stop()
+
+    await wait_for_termination(stop)

@@ -1,0 +1,71 @@
+"""Conversions between the cores' dataclasses and the protobuf messages of the mesh."""
+
+from __future__ import annotations
+
+from kvmesh.params import SamplingParams, StoppingParams
+from kvmesh.step import NewSequence, SampledToken, ScheduledChunk, StepPlan, StepResult
+from kvmesh.v1 import generation_pb2 as gen
+from kvmesh.v1 import worker_pb2 as wk
+
+
+def sampling_from_proto(m: gen.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=m.temperature if m.HasField("temperature") else 1.0,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        top_k=m.top_k,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        seed=m.seed if m.HasField("seed") else None,
+    )
+
+
+def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
+    m = gen.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                           repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+                           frequency_penalty=s.frequency_penalty)
+    if s.seed is not None:
+        m.seed = s.seed
+    return m
+
+
+def stopping_from_proto(m: gen.StoppingParams) -> StoppingParams:
+    return StoppingParams(
+        max_new_tokens=m.max_new_tokens if m.HasField("max_new_tokens") else StoppingParams().max_new_tokens,
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+    )
+
+
+def stopping_to_proto(s: StoppingParams) -> gen.StoppingParams:
+    return gen.StoppingParams(max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+def plan_to_proto(step: int, plan: StepPlan) -> wk.StepRequest:
+    return wk.StepRequest(
+        step=step,
+        dropped=plan.dropped,
+        new=[wk.NewSequence(seq_id=n.seq_id, token_ids=n.token_ids, num_prompt_tokens=n.num_prompt_tokens,
+                            sampling=sampling_to_proto(n.sampling), page_ids=n.page_ids,
+                            num_computed_tokens=n.num_computed_tokens) for n in plan.new],
+        scheduled=[wk.ScheduledChunk(seq_id=c.seq_id, num_tokens=c.num_tokens, new_page_ids=c.new_page_ids)
+                   for c in plan.scheduled],
+    )
+
+
+def plan_from_proto(m: wk.StepRequest) -> StepPlan:
+    return StepPlan(
+        dropped=list(m.dropped),
+        new=[NewSequence(n.seq_id, list(n.token_ids), n.num_prompt_tokens, sampling_from_proto(n.sampling),
+                         list(n.page_ids), n.num_computed_tokens) for n in m.new],
+        scheduled=[ScheduledChunk(c.seq_id, c.num_tokens, list(c.new_page_ids)) for c in m.scheduled],
+    )
+
+
+def result_to_proto(step: int, r: StepResult) -> wk.StepResult:
+    return wk.StepResult(step=step, forward_ms=r.forward_s * 1000,
+                         tokens=[wk.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob) for t in r.tokens])
+
+
+def result_from_proto(m: wk.StepResult) -> StepResult:
+    return StepResult([SampledToken(t.seq_id, t.token_id, t.logprob) for t in m.tokens], m.forward_ms / 1000)
