@@ -1,0 +1,254 @@
+"""The mesh over real gRPC and a real redis-server: streams, cancellation, stops, errors, failures."""
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from kvmesh.modelgen import SIZES, make_model
+from kvmesh.services.launcher import launch, stop
+from kvmesh.tokenizer import Tokenizer
+from kvmesh.v1 import generation_pb2 as gen
+from kvmesh.v1 import generation_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
+from reference import assert_matches_reference, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # A tiny llama with a real tokenizer; kv memory small enough that 50 streams contend for pages.
+    return make_model(tmp_path_factory.mktemp("mesh-model"), "llama", **SIZES["tiny"])
+
+
+class Mesh:
+    def __init__(self, model_dir, workers=2, extra_worker=()):
+        from kvmesh.services.launcher import free_port
+
+        self.port = free_port()
+        self.children, self.redis, self.redis_url = launch(str(model_dir), workers, None, self.port,
+                                                           extra_worker=["--kv-memory-mib", "4", *extra_worker])
+        self.addr = f"127.0.0.1:{self.port}"
+        self.kvcache_addr = next(c.address for c in self.children if c.name == "kvcache")
+
+    def child(self, name):
+        return next(c for c in self.children if c.name == name)
+
+    def close(self):
+        stop(self.children, self.redis)
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir):
+    m = Mesh(model_dir)
+    yield m
+    m.close()
+
+
+def greedy(prompt, n, **stopping):
+    return gen.GenerateRequest(prompt=prompt, sampling=gen.SamplingParams(temperature=0.0),
+                               stopping=gen.StoppingParams(max_new_tokens=n, ignore_eos=True, **stopping))
+
+
+async def collect(stub, request, timeout=60):
+    tokens, logprobs, texts, finish = [], [], [], None
+    async for response in stub.Generate(request, timeout=timeout):
+        for t in response.tokens:
+            tokens.append(t.id)
+            logprobs.append(t.logprob)
+            texts.append(t.text)
+        if response.HasField("finish"):
+            assert finish is None, "two finish messages"
+            finish = response.finish
+    return tokens, logprobs, "".join(texts), finish
+
+
+async def page_stats(addr):
+    async with grpc.aio.insecure_channel(addr) as ch:
+        return (await kvcache_pb2_grpc.KVCacheStub(ch).Stats(kvcache_pb2.StatsRequest())).workers
+
+
+async def wait_idle(addr, timeout=10):
+    """Waits until no worker has pages in use; returns the last stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = await page_stats(addr)
+        if all(w.used_pages == 0 for w in workers) or time.monotonic() > deadline:
+            return workers
+        await asyncio.sleep(0.1)
+
+
+def test_32_concurrent_greedy_streams_match_transformers(mesh, model_dir):
+    tok = Tokenizer.from_dir(model_dir)
+    words = "alpha beta gamma delta river stone light cloud north garden".split()
+    prompts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 13)) for i in range(32)]
+
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            return await asyncio.gather(*(collect(stub, greedy(p, 12)) for p in prompts))
+
+    results = asyncio.run(run())
+    for prompt, (tokens, logprobs, text, finish) in zip(prompts, results):
+        ids = tok.encode(prompt)
+        assert finish.reason == gen.LENGTH
+        assert finish.prompt_tokens == len(ids) and finish.completion_tokens == len(tokens) == 12
+        assert finish.total_ms >= finish.ttft_ms > 0
+        assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, ids, 12))
+    workers = asyncio.run(wait_idle(mesh.kvcache_addr))
+    assert len(workers) == 2 and all(w.used_pages == 0 for w in workers)
+    assert all(w.cached_pages + w.free_pages == w.total_pages for w in workers)
+
+
+def test_cancelled_and_deadline_streams_free_their_pages(mesh):
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            calls = [stub.Generate(greedy(f"stream number {i} goes on and on", 400)) for i in range(50)]
+            for call in calls:  # each has produced at least one token: it is mid-generation
+                await call.read()
+            busy = await page_stats(mesh.kvcache_addr)
+            for call in calls:
+                call.cancel()
+            late = [stub.Generate(greedy(f"deadline {i}", 400), timeout=0.5) for i in range(5)]
+            codes = []
+            for call in late:
+                try:
+                    async for _ in call:
+                        pass
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as e:
+                    codes.append(e.code())
+            return busy, codes, await wait_idle(mesh.kvcache_addr)
+
+    busy, codes, idle = asyncio.run(run())
+    assert sum(w.used_pages for w in busy) > 0
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 5
+    assert all(w.used_pages == 0 for w in idle), idle
+
+
+def test_stop_string_spanning_tokens_ends_the_stream(mesh):
+    async def run(request):
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            pieces = []
+            async for response in stub.Generate(request, timeout=60):
+                pieces += [(t.id, t.text) for t in response.tokens]
+                finish = response.finish if response.HasField("finish") else None
+            return pieces, finish
+
+    pieces, _ = asyncio.run(run(greedy("garden river stone", 24)))
+    text = "".join(t for _, t in pieces)
+    # The last character of one token's text and the first of the next: a stop string across tokens.
+    i = next(i for i in range(len(pieces) - 1) if pieces[i][1] and pieces[i + 1][1])
+    stop_string = pieces[i][1][-1] + pieces[i + 1][1][0]
+    stopped, finish = asyncio.run(run(greedy("garden river stone", 24, stop=[stop_string])))
+    assert finish.reason == gen.STOP
+    assert "".join(t for _, t in stopped) == text[: text.find(stop_string)]
+    assert [t for t, _ in stopped] == [t for t, _ in pieces[: len(stopped)]]
+    assert finish.completion_tokens == len(stopped)
+
+
+@pytest.mark.parametrize("request_kwargs, field", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="hello", stopping=gen.StoppingParams(max_new_tokens=5000)), "max_new_tokens"),
+    (dict(prompt="hello", stopping=gen.StoppingParams(max_new_tokens=0)), "max_new_tokens"),
+    (dict(prompt="hello", sampling=gen.SamplingParams(temperature=-1)), "temperature"),
+    (dict(prompt="hello", sampling=gen.SamplingParams(top_p=0)), "top_p"),
+    (dict(prompt="hello", sampling=gen.SamplingParams(top_p=1.5)), "top_p"),
+    (dict(prompt="hello", sampling=gen.SamplingParams(top_k=-2)), "top_k"),
+])
+def test_bad_input_is_invalid_argument_and_other_streams_carry_on(mesh, request_kwargs, field):
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            good = asyncio.create_task(collect(stub, greedy("a stream that must finish", 30)))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, gen.GenerateRequest(**request_kwargs))
+            return err.value, await good
+
+    error, (tokens, _, _, finish) = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.details()
+    assert finish.reason == gen.LENGTH and len(tokens) == 30
+
+
+def test_unknown_model_is_not_found(mesh):
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            await collect(generation_pb2_grpc.GenerationStub(ch), gen.GenerateRequest(model="nope", prompt="hi"))
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(run())
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in err.value.details()
+
+
+def test_list_models_and_tokenize(mesh, model_dir):
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            return await stub.ListModels(gen.ListModelsRequest()), await stub.Tokenize(gen.TokenizeRequest(text="river stone"))
+
+    models, ids = asyncio.run(run())
+    assert [(m.name, m.ready_workers) for m in models.models] == [("default", 2)]
+    assert list(ids.ids) == Tokenizer.from_dir(model_dir).encode("river stone")
+
+
+def test_killed_worker_fails_its_streams_and_traffic_moves_on(model_dir):
+    mesh = Mesh(model_dir)
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(mesh.addr) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                calls = [stub.Generate(greedy(f"long stream {i}", 1500)) for i in range(6)]
+                for call in calls:
+                    await call.read()
+                os.kill(mesh.child("worker-0").process.pid, signal.SIGKILL)
+                finishes = []
+                for call in calls:
+                    while (response := await call.read()) is not grpc.aio.EOF and not response.HasField("finish"):
+                        pass
+                    finishes.append(response.finish)
+                after = await asyncio.gather(*(collect(stub, greedy(f"after {i}", 8), timeout=30) for i in range(4)))
+                return finishes, after
+
+        finishes, after = asyncio.run(asyncio.wait_for(run(), 120))
+        reasons = [f.reason for f in finishes]
+        assert gen.ERROR in reasons, reasons  # the killed worker's streams end with an error, not a hang
+        assert all(r in (gen.ERROR, gen.LENGTH) for r in reasons)
+        assert all("worker-0" in f.message for f in finishes if f.reason == gen.ERROR)
+        assert all(a[3].reason == gen.LENGTH and len(a[0]) == 8 for a in after)
+    finally:
+        mesh.close()
+
+
+def test_router_without_workers_is_unavailable(tmp_path, model_dir):
+    from kvmesh.services.launcher import free_port, serve_command, start_redis, wait_serving
+    import subprocess
+
+    redis_port, port = free_port(), free_port()
+    redis = start_redis(redis_port, str(tmp_path))
+    router = subprocess.Popen(serve_command("router", f"redis://127.0.0.1:{redis_port}/0", port, "--model", str(model_dir)))
+    try:
+        async def run():
+            deadline = time.monotonic() + 30
+            while True:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                    try:
+                        return await collect(generation_pb2_grpc.GenerationStub(ch), greedy("hi", 4), timeout=5)
+                    except grpc.aio.AioRpcError as e:
+                        if e.code() == grpc.StatusCode.UNAVAILABLE and "scheduler" in (e.details() or ""):
+                            raise
+                        if time.monotonic() > deadline:
+                            raise
+                await asyncio.sleep(0.2)
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(run())
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        router.terminate()
+        router.wait(10)
+        redis.terminate()
+        redis.wait(10)
