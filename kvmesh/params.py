@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 class InvalidRequest(ValueError):
     """A request that breaks a rule; `field` names the offending field (gRPC INVALID_ARGUMENT)."""
 
@@ -19,7 +22,7 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+    """How the next token is chosen. temperature 0 (or under 1e-5) is greedy; top_k 0 and top_p 1 disable those filters."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -31,7 +34,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32; the distribution is argmax anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -75,3 +75,17 @@ def test_sliding_window_limits_what_a_query_sees():
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     for s, (dq, dk, dv) in zip(seqs, dense):
         torch.testing.assert_close(ref[s.query_start : s.query_end], dense_attention(dq, dk, dv, 0.2, window=20), atol=1e-5, rtol=1e-5)
+
+
+def test_contiguous_runs_are_read_in_place_with_the_same_result():
+    q, kc, vc, seqs, _ = build_case([(40, 1), (33, 9)], seed=3)
+    ref = paged_attention_reference(q, kc, vc, seqs, scale=0.2)
+    # Move each sequence's KV to one contiguous run of slots and read it in place.
+    k2, v2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    moved, start = [], 0
+    for s in seqs:
+        run = torch.arange(start, start + s.context_len)
+        write_kv(k2, v2, run, kc[s.slots], vc[s.slots])
+        moved.append(SequenceSlice(s.query_start, s.query_end, run, s.mask, first_slot=start))
+        start += -(-s.context_len // PAGE) * PAGE
+    torch.testing.assert_close(paged_attention(q, k2, v2, moved, scale=0.2), ref, atol=1e-5, rtol=1e-5)

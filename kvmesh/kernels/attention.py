@@ -31,6 +31,7 @@ class SequenceSlice:
     query_end: int
     slots: torch.Tensor
     mask: torch.Tensor | None  # bool [q, ctx], True = attend; None means plain causal from position 0 or one query
+    first_slot: int | None = None  # set when the slots are one contiguous run: read the cache in place
 
     @property
     def num_queries(self) -> int:
@@ -71,8 +72,12 @@ def paged_attention(
     """Attention for a flattened batch. q is `[tokens, heads, head_dim]`; returns the same shape."""
     out = torch.empty_like(q)
     for s in seqs:
-        k = k_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
-        v = v_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
+        if s.first_slot is not None:
+            k = k_cache[s.first_slot : s.first_slot + s.context_len].transpose(0, 1).unsqueeze(0)
+            v = v_cache[s.first_slot : s.first_slot + s.context_len].transpose(0, 1).unsqueeze(0)
+        else:
+            k = k_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
+            v = v_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
         qs = q[s.query_start : s.query_end].transpose(0, 1).unsqueeze(0)
         is_causal = s.mask is None and s.num_queries > 1
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=s.mask, is_causal=is_causal, scale=scale, enable_gqa=True)

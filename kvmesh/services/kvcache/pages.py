@@ -50,7 +50,7 @@ class PagePool:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_pages
         self.hash_of: list[bytes | None] = [None] * num_pages
-        self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self.free: set[int] = set(range(num_pages))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
         self.index: dict[bytes, int] = {}  # page hash -> page id
         self.tables: dict[str, PageTable] = {}
@@ -107,8 +107,10 @@ class PagePool:
             return []
         if need > self.num_available:
             return None
-        new = [self._take() for _ in range(need)]
-        table.page_ids.extend(new)
+        new = []
+        for _ in range(need):
+            new.append(self._take(table.page_ids[-1] if table.page_ids else None))
+            table.page_ids.append(new[-1])
         return new
 
     def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
@@ -138,16 +140,34 @@ class PagePool:
                 if self.hash_of[page] is not None:
                     self.evictable[page] = None
                 else:
-                    self.free.append(page)
+                    self.free.add(page)
+
+    def _roomy_free_page(self) -> int:
+        pages = sorted(self.free)
+        best_start, best_len, start = pages[0], 1, pages[0]
+        for prev, page in zip(pages, pages[1:]):
+            if page != prev + 1:
+                start = page
+            if page - start + 1 > best_len:
+                best_start, best_len = start, page - start + 1
+        return best_start + best_len // 2
 
     def _ref(self, page: int) -> None:
         if self.ref_count[page] == 0:
             self.evictable.pop(page, None)
         self.ref_count[page] += 1
 
-    def _take(self) -> int:
-        if self.free:
-            page = self.free.pop()
+    def _take(self, after: int | None) -> int:
+        """A page for a table whose last page is `after`: the next page when it is free, so the
+        table stays one contiguous run (attention then reads it in place, without a gather);
+        otherwise the middle of the longest free run, leaving room to grow; otherwise the least
+        recently used cached page."""
+        if after is not None and after + 1 in self.free:
+            page = after + 1
+            self.free.remove(page)
+        elif self.free:
+            page = self._roomy_free_page()
+            self.free.remove(page)
         else:
             page, _ = self.evictable.popitem(last=False)
             del self.index[self.hash_of[page]]
@@ -160,8 +180,8 @@ class PagePool:
         s = self.stats()
         assert s.free + s.used + s.cached == s.total, s
         assert all(c >= 0 for c in self.ref_count), "negative reference count"
-        free, evictable = set(self.free), set(self.evictable)
-        assert len(free) == len(self.free) and not free & evictable, "a page is in two free states"
+        free, evictable = self.free, set(self.evictable)
+        assert not free & evictable, "a page is in two free states"
         assert all(self.ref_count[p] == 0 for p in free | evictable), "a referenced page is free"
         refs = [0] * self.num_pages
         for table in self.tables.values():

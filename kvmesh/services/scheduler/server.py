@@ -52,6 +52,9 @@ class WorkerLoop:
         self.wake = asyncio.Event()
         self.alive = True
         self._page_ops: asyncio.Queue = asyncio.Queue()
+        # Cumulative seconds per part of a step: scheduling, the worker's forward pass, the rest
+        # of the round trip (wire and (de)serialisation), and applying the result.
+        self.timing = {"steps": 0, "schedule_s": 0.0, "forward_s": 0.0, "wire_s": 0.0, "update_s": 0.0}
 
     @property
     def load(self) -> int:
@@ -80,10 +83,13 @@ class WorkerLoop:
                     self._queue_ops()
                     self.wake.clear()
                     await self.wake.wait()
+                t0 = time.perf_counter()
                 plan = self.core.schedule()
                 step += 1
+                t1 = time.perf_counter()
                 await call.write(wire.plan_to_proto(step, plan))
                 result = await call.read()
+                t2 = time.perf_counter()
                 if result is grpc.aio.EOF:
                     raise WorkerGone("the worker closed its step stream")
                 if result.error:
@@ -91,6 +97,7 @@ class WorkerLoop:
                     continue
                 self._dispatch(self.core.update(plan, wire.result_from_proto(result)))
                 self._queue_ops()
+                self._account(t0, t1, t2, result.forward_ms / 1000)
         except (grpc.aio.AioRpcError, WorkerGone) as e:
             log.error("worker %s is gone: %s", self.worker_id, e)
         finally:
@@ -99,6 +106,14 @@ class WorkerLoop:
             await self._page_ops.put(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True))
             await self._page_ops.put(None)
             await shipper
+
+    def _account(self, t0: float, t1: float, t2: float, forward_s: float) -> None:
+        t = self.timing
+        t["steps"] += 1
+        t["schedule_s"] += t1 - t0
+        t["forward_s"] += forward_s
+        t["wire_s"] += (t2 - t1) - forward_s
+        t["update_s"] += time.perf_counter() - t2
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:
@@ -219,6 +234,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     "waiting": len(waiting),
                     "running": len(w.core.running),
                     "estimated_tokens": sum(r.num_tokens + r.stopping.max_new_tokens for r in waiting),
+                    "step_timing": w.timing,
                 }
             try:
                 await self.registry.redis.set(key, json.dumps(state), px=3000)

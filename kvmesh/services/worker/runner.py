@@ -90,7 +90,10 @@ class ModelRunner:
             tokens.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             slots.append(ctx_slots[start:end])
-            seqs.append(SequenceSlice(row, row + chunk.num_tokens, ctx_slots, causal_mask(chunk.num_tokens, end, window)))
+            pages = state.page_ids
+            contiguous = pages[-1] - pages[0] == len(pages) - 1 and all(b == a + 1 for a, b in zip(pages, pages[1:]))
+            seqs.append(SequenceSlice(row, row + chunk.num_tokens, ctx_slots, causal_mask(chunk.num_tokens, end, window),
+                                      first_slot=pages[0] * self.page_size if contiguous else None))
             row += chunk.num_tokens
             state.num_computed_tokens = end
             if end == len(state.token_ids):

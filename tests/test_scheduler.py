@@ -1,0 +1,340 @@
+"""The scheduler's core, driven step by step with a real PagePool and no model.
+
+`LevelWorker` does with each plan what the worker does (kvmesh/services/worker/runner.py),
+minus the forward pass: it applies the deltas (dropped, new, appended pages), checks they
+rebuild the scheduler's own view of every sequence, and samples each sequence the step brings
+level with its known tokens. The token it samples depends only on the position, so a request's
+expected output is known in advance, preempted or not.
+"""
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from kvmesh.params import SamplingParams, StoppingParams
+from kvmesh.services.kvcache.pages import PagePool
+from kvmesh.services.scheduler.core import Scheduler, SchedulerConfig
+from kvmesh.services.scheduler.request import FinishReason, Request, Status
+from kvmesh.step import SampledToken, StepPlan, StepResult
+
+
+def sampled_token(position: int) -> int:
+    return 1000 + position
+
+
+def expected_output(request: Request) -> list[int]:
+    n = len(request.prompt_token_ids)
+    return [sampled_token(n + i) for i in range(request.stopping.max_new_tokens)]
+
+
+def make_request(request_id, prompt, max_new=4, priority=0, arrival=0.0) -> Request:
+    return Request(
+        request_id,
+        list(prompt),
+        SamplingParams(temperature=0.0),
+        StoppingParams(max_new_tokens=max_new),
+        priority=priority,
+        arrival_time=arrival,
+    )
+
+
+@dataclass
+class WorkerSequence:
+    token_ids: list[int]
+    page_ids: list[int]
+    num_computed: int
+
+
+class LevelWorker:
+    """The worker's side of the step contract, without a model (see the module docstring)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.seqs: dict[str, WorkerSequence] = {}
+
+    def step(self, plan: StepPlan) -> StepResult:
+        pool, requests = self.scheduler.pool, self.scheduler.requests
+        for seq_id in plan.dropped:
+            self.seqs.pop(seq_id, None)
+        for new in plan.new:
+            assert new.seq_id not in self.seqs
+            self.seqs[new.seq_id] = WorkerSequence(list(new.token_ids), list(new.page_ids), new.num_computed_tokens)
+        tokens = []
+        for chunk in plan.scheduled:
+            seq, req = self.seqs[chunk.seq_id], requests[chunk.seq_id]
+            seq.page_ids.extend(chunk.new_page_ids)
+            # The deltas rebuild exactly what the scheduler holds for this sequence.
+            assert seq.page_ids == pool.page_table(chunk.seq_id)
+            assert seq.token_ids == req.all_token_ids and seq.num_computed == req.num_computed_tokens
+            assert chunk.num_tokens >= 1
+            seq.num_computed += chunk.num_tokens
+            assert seq.num_computed <= min(len(seq.token_ids), len(seq.page_ids) * pool.page_size)
+            if seq.num_computed == len(seq.token_ids):  # level: sample
+                token = sampled_token(len(seq.token_ids))
+                seq.token_ids.append(token)
+                tokens.append(SampledToken(chunk.seq_id, token, -1.0))
+        return StepResult(tokens)
+
+
+class Run:
+    """A scheduler, its pool and a LevelWorker, stepped together; keeps every event it sees."""
+
+    def __init__(self, num_pages=64, page_size=2, **config):
+        self.pool = PagePool(num_pages, page_size)
+        self.scheduler = Scheduler(self.pool, SchedulerConfig(**config))
+        self.worker = LevelWorker(self.scheduler)
+        self.requests: dict[str, Request] = {}
+        self.streams: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, list[FinishReason]] = {}
+
+    def add(self, *requests: Request) -> None:
+        for r in requests:
+            self.requests[r.request_id] = r
+            self.streams[r.request_id] = []
+            self.finish_reasons[r.request_id] = []
+            self.scheduler.add(r)
+
+    def schedule(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        assert plan.num_tokens <= self.scheduler.config.max_batched_tokens
+        self.pool.check()
+        return plan
+
+    def finish_step(self, plan: StepPlan, result: StepResult):
+        events = self.scheduler.update(plan, result)
+        for e in events:
+            if e.token_id is not None:
+                self.streams[e.request.request_id].append(e.token_id)
+            if e.finish_reason is not None:
+                self.finish_reasons[e.request.request_id].append(e.finish_reason)
+        self.pool.check()
+        return events
+
+    def step(self):
+        plan = self.schedule()
+        return plan, self.finish_step(plan, self.worker.step(plan))
+
+    def to_completion(self, max_steps=1000) -> list[StepPlan]:
+        plans = []
+        while self.scheduler.has_unfinished():
+            plans.append(self.step()[0])
+            assert len(plans) < max_steps, "no progress"
+        return plans
+
+    def scheduled(self, plan: StepPlan) -> dict[str, int]:
+        return {c.seq_id: c.num_tokens for c in plan.scheduled}
+
+
+def assert_all_finished_in_full(run: Run) -> None:
+    for rid, req in run.requests.items():
+        assert req.status is Status.FINISHED
+        assert req.output_token_ids == expected_output(req), rid
+        assert run.streams[rid] == expected_output(req), rid  # no token lost or repeated in the stream
+        assert run.finish_reasons[rid] == [FinishReason.LENGTH]
+    assert run.pool.stats().used == 0
+    assert not run.scheduler.running and not run.scheduler.waiting
+
+
+# -- admission ---------------------------------------------------------------------------------
+
+
+def test_higher_priority_is_admitted_first_and_ties_go_by_arrival():
+    run = Run(max_num_seqs=3)
+    run.add(
+        make_request("low", [1, 2], priority=0, arrival=0.0),
+        make_request("mid", [3, 4], priority=1, arrival=1.0),
+        make_request("high_late", [5, 6], priority=5, arrival=3.0),
+        make_request("high_early", [7, 8], priority=5, arrival=2.0),
+    )
+    plan, _ = run.step()
+    assert [n.seq_id for n in plan.new] == ["high_early", "high_late", "mid"]
+    assert run.scheduler.waiting == [run.requests["low"]]  # max_num_seqs reached
+    run.to_completion()
+    assert_all_finished_in_full(run)
+
+
+def test_a_prefix_hit_is_admitted_with_its_cached_tokens_already_computed():
+    run = Run(page_size=2)
+    run.add(make_request("first", [1, 2, 3, 4, 5], max_new=1))
+    run.to_completion()
+    run.add(make_request("second", [1, 2, 3, 4, 9], max_new=2))
+    plan, _ = run.step()
+    [new] = plan.new
+    assert new.num_computed_tokens == 4 and run.scheduled(plan) == {"second": 1}
+    run.to_completion()
+    assert_all_finished_in_full(run)
+
+
+# -- the token budget ----------------------------------------------------------------------------
+
+
+def test_a_long_prompt_is_chunked_within_the_budget_while_decodes_get_one_token_each_step():
+    run = Run(max_batched_tokens=8)
+    run.add(make_request("a", [1, 2], max_new=12, arrival=0.0), make_request("b", [3, 4], max_new=12, arrival=1.0))
+    run.step()
+    long_prompt = list(range(100, 130))
+    run.add(make_request("long", long_prompt, max_new=2, arrival=2.0))
+    chunks = []
+    while not run.requests["long"].output_token_ids:
+        plan, _ = run.step()
+        scheduled = run.scheduled(plan)
+        assert plan.num_tokens <= 8
+        assert scheduled["a"] == 1 and scheduled["b"] == 1  # running decodes are never starved by the prefill
+        chunks.append(scheduled["long"])
+    assert chunks == [6, 6, 6, 6, 6]  # the prompt, in budget-sized chunks, sampled only when complete
+    run.to_completion()
+    assert_all_finished_in_full(run)
+
+
+def test_no_step_carries_more_than_the_budget_under_load():
+    run = Run(num_pages=64, max_batched_tokens=5)
+    run.add(*[make_request(f"r{i}", range(10 * i, 10 * i + 3 + i), max_new=3, arrival=float(i)) for i in range(6)])
+    plans = run.to_completion()
+    assert max(p.num_tokens for p in plans) == 5
+    assert_all_finished_in_full(run)
+
+
+# -- preemption ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "policy, priorities, victim",
+    [
+        ("newest", {"A": 0, "B": 2, "C": 1}, "C"),  # last admitted
+        ("priority", {"A": 0, "B": 2, "C": 1}, "A"),  # lowest priority
+        ("priority", {"A": 1, "B": 2, "C": 1}, "C"),  # lowest priority, newest on a tie
+        ("size", {"A": 0, "B": 2, "C": 1}, "B"),  # most computed tokens
+    ],
+)
+def test_each_victim_policy_preempts_the_request_it_names_when_pages_run_out(policy, priorities, victim):
+    # 7 pages of 2 tokens. A (2-token prompt) runs alone first; then B (6 tokens) and C (2 tokens)
+    # join, so the running order is A, B, C and A has 3 computed tokens, B 6 and C 2. In the next
+    # step A fits its page, B takes the last free page and C finds none.
+    run = Run(num_pages=7, page_size=2, victim_policy=policy)
+    run.add(make_request("A", [1, 2], max_new=4, priority=priorities["A"], arrival=0.0))
+    run.step()
+    run.add(
+        make_request("B", range(10, 16), max_new=4, priority=priorities["B"], arrival=1.0),
+        make_request("C", [20, 21], max_new=4, priority=priorities["C"], arrival=2.0),
+    )
+    plan, _ = run.step()
+    assert [n.seq_id for n in plan.new] == ["B", "C"]
+    assert [r.num_computed_tokens for r in run.scheduler.running] == [3, 6, 2]
+
+    plan, _ = run.step()
+    assert plan.dropped == [victim]
+    assert victim not in run.scheduled(plan) and not plan.new
+    assert run.requests[victim].status is Status.WAITING and run.requests[victim].num_preemptions == 1
+    assert run.scheduler.num_preemptions == 1
+    assert set(run.scheduled(plan)) == {"A", "B", "C"} - {victim}
+
+    run.to_completion()
+    assert_all_finished_in_full(run)  # the victim resumes where it stopped and finishes in full
+
+
+def random_workload(seed: int) -> list[Request]:
+    """Eight requests with prompts over a tiny alphabet (so they share prefixes), mixed lengths and priorities."""
+    rng = random.Random(seed)
+    return [
+        make_request(
+            f"r{i}",
+            [rng.choice([7, 8]) for _ in range(rng.randint(1, 14))],
+            max_new=rng.randint(1, 6),
+            priority=rng.randint(0, 2),
+            arrival=float(i),
+        )
+        for i in range(8)
+    ]
+
+
+@pytest.mark.parametrize("policy", ["newest", "priority", "size"])
+def test_busy_small_pools_preempt_within_the_budget_and_still_finish_every_request_in_full(policy):
+    preemptions = 0
+    for seed in range(20):
+        run = Run(num_pages=12, page_size=2, max_batched_tokens=5, victim_policy=policy)
+        run.add(*random_workload(seed))
+        run.to_completion()  # checks the budget and the page accounting at every step
+        assert_all_finished_in_full(run)
+        preemptions += run.scheduler.num_preemptions
+    assert preemptions > 0
+
+
+# -- finishing and aborting ----------------------------------------------------------------------
+
+
+def test_a_finished_request_frees_its_pages_in_the_same_step_and_is_dropped_in_the_next_plan():
+    run = Run(num_pages=16, page_size=2)
+    run.add(make_request("short", [1, 2, 3, 4], max_new=1), make_request("long", [5, 6, 7, 8], max_new=5))
+    _, events = run.step()
+    assert {e.request.request_id: e.finish_reason for e in events} == {"short": FinishReason.LENGTH, "long": None}
+    stats = run.pool.stats()
+    assert stats.used == len(run.pool.page_table("long")) == 2  # right after update, before any schedule
+    assert stats.cached == 2  # short's two full prompt pages stay reusable
+    plan = run.schedule()
+    assert plan.dropped == ["short"] and "short" not in run.scheduled(plan)
+    run.finish_step(plan, run.worker.step(plan))
+    run.to_completion()
+    assert_all_finished_in_full(run)
+
+
+def test_aborting_a_waiting_request_ends_it_without_the_worker_ever_seeing_it():
+    run = Run()
+    run.add(make_request("r", [1, 2, 3]))
+    event = run.scheduler.abort("r")
+    assert (event.token_id, event.finish_reason) == (None, FinishReason.CANCELLED)
+    assert run.requests["r"].status is Status.FINISHED
+    assert not run.scheduler.has_unfinished()
+    plan = run.schedule()
+    assert plan.dropped == [] and plan.scheduled == [] and plan.new == []
+    assert run.pool.stats().free == run.pool.num_pages
+    assert run.scheduler.abort("r") is None
+
+
+def test_aborting_a_running_request_frees_its_pages_and_drops_it_next_step():
+    run = Run()
+    run.add(make_request("r", [1, 2, 3], max_new=5), make_request("other", [4, 5, 6], max_new=3))
+    run.step()
+    event = run.scheduler.abort("r")
+    assert event.finish_reason is FinishReason.CANCELLED
+    assert run.pool.stats().used == len(run.pool.page_table("other"))
+    plan, _ = run.step()
+    assert plan.dropped == ["r"] and set(run.scheduled(plan)) == {"other"}
+    run.to_completion()
+    assert run.requests["other"].output_token_ids == expected_output(run.requests["other"])
+    assert run.pool.stats().used == 0
+
+
+def test_aborting_while_a_step_runs_discards_that_steps_token():
+    run = Run()
+    run.add(make_request("r", [1, 2, 3], max_new=5), make_request("other", [4, 5, 6], max_new=3))
+    plan = run.schedule()
+    result = run.worker.step(plan)
+    run.scheduler.abort("r")
+    events = run.finish_step(plan, result)
+    assert [e.request.request_id for e in events] == ["other"]
+    assert run.requests["r"].output_token_ids == []
+    assert run.pool.stats().used == len(run.pool.page_table("other"))
+    run.to_completion()
+    assert run.pool.stats().used == 0
+
+
+def test_a_preempted_request_can_be_aborted_while_it_waits():
+    run = Run(num_pages=7, page_size=2, victim_policy="newest")
+    run.add(make_request("A", [1, 2], max_new=4, arrival=0.0))
+    run.step()
+    run.add(
+        make_request("B", range(10, 16), max_new=4, arrival=1.0),
+        make_request("C", [20, 21], max_new=4, arrival=2.0),
+    )
+    run.step()
+    run.step()  # C is preempted (see the victim test)
+    assert run.requests["C"].status is Status.WAITING
+    assert run.scheduler.abort("C").finish_reason is FinishReason.CANCELLED
+    plan, _ = run.step()
+    assert "C" not in plan.dropped  # the worker forgot it when it was preempted
+    run.to_completion()
+    assert run.requests["C"].finish_reason is FinishReason.CANCELLED
+    for rid in "AB":
+        assert run.requests[rid].output_token_ids == expected_output(run.requests[rid])
+    assert run.pool.stats().used == 0
