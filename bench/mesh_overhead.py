@@ -64,6 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     from kvmesh.modelgen import bench_model_dir
     from kvmesh.services.launcher import free_port, launch, stop
+    from kvmesh.services.registry import QUEUE_STATE_PATTERN
     from kvmesh.services.worker.checkpoint import load_config
 
     model_dir = args.model or str(bench_model_dir())
@@ -76,7 +77,7 @@ def main() -> None:
         mesh_s, mesh_tokens = asyncio.run(drive_mesh(f"127.0.0.1:{port}", prompts, args.output_len))
         time.sleep(1.0)  # let the scheduler publish its final step timing
         r = redis.Redis.from_url(redis_url, decode_responses=True)
-        state = [json.loads(r.get(k)) for k in r.scan_iter("kvmesh:queue:*")]
+        state = [json.loads(r.get(k)) for k in r.scan_iter(QUEUE_STATE_PATTERN)]
     finally:
         stop(children, redis_proc)
     engine_s, engine_tokens = run_engine(model_dir, prompts, args.output_len, args.kv_memory_mib)

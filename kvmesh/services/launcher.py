@@ -50,6 +50,28 @@ def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | Non
     raise TimeoutError(f"{address} was not SERVING within {timeout_s:.0f}s")
 
 
+def wait_scheduled(redis_url: str, workers: int, timeout_s: float) -> None:
+    """Blocks until the scheduler's published queue state shows `workers` live workers."""
+    import json
+
+    import redis
+
+    from kvmesh.services.registry import QUEUE_STATE_PATTERN
+
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            keys = list(r.scan_iter(QUEUE_STATE_PATTERN))
+            states = [json.loads(v) for v in r.mget(keys) if v] if keys else []
+            if sum(w["alive"] for state in states for w in state.values()) >= workers:
+                return
+            time.sleep(0.2)
+    finally:
+        r.close()
+    raise TimeoutError(f"the scheduler did not reach all {workers} workers within {timeout_s:.0f}s")
+
+
 def start_redis(port: int, workdir: str) -> subprocess.Popen:
     exe = shutil.which("redis-server")
     if exe is None:
@@ -95,6 +117,7 @@ def launch(model: str | None, workers: int, redis_url: str | None, port: int, ex
             children.append(Child(name, f"127.0.0.1:{p}", proc))
         for child, (_, _, _, timeout) in zip(children, plan):
             wait_serving(child.address, timeout, child.process)
+        wait_scheduled(redis_url, workers, timeout_s=60)
     except BaseException:
         stop(children, redis_proc)
         raise

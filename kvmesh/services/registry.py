@@ -21,6 +21,14 @@ PREFIX = "kvmesh:"
 KINDS = ("router", "scheduler", "kvcache", "worker")
 
 
+def queue_state_key(scheduler_id: str) -> str:
+    """Where a scheduler publishes its queue state (a JSON object per worker)."""
+    return f"{PREFIX}queue:{scheduler_id}"
+
+
+QUEUE_STATE_PATTERN = queue_state_key("*")
+
+
 def _service_key(kind: str, instance_id: str) -> str:
     return f"{PREFIX}svc:{kind}:{instance_id}"
 

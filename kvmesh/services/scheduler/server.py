@@ -23,7 +23,7 @@ from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, SchedulerServiceConfig
 from kvmesh.services.grpc_server import ServiceServer, wait_for_termination
 from kvmesh.services.kvcache.replica import RecordingPagePool
-from kvmesh.services.registry import PREFIX, Registry
+from kvmesh.services.registry import Registry, queue_state_key
 from kvmesh.services.scheduler.core import Scheduler, SchedulerConfig, TokenEvent
 from kvmesh.services.scheduler.request import FinishReason, Request
 from kvmesh.v1 import generation_pb2 as gen
@@ -32,6 +32,7 @@ from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb
 log = logging.getLogger("kvmesh.scheduler")
 
 _REASONS = {r: gen.FinishReason.Value(r.name) for r in FinishReason}
+NO_WORKER_WAIT_S = 3.0
 
 
 class WorkerGone(Exception):
@@ -168,8 +169,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Submit(self, request, context):
         worker = self.pick_worker()
+        for _ in range(int(NO_WORKER_WAIT_S / 0.1)):  # a worker may be (re)joining: wait, bounded
+            if worker is not None:
+                break
+            await asyncio.sleep(0.1)
+            worker = self.pick_worker()
         if worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker is ready (waited {NO_WORKER_WAIT_S:.0f}s)")
         req = Request(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -211,7 +217,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             channel = grpc.aio.insecure_channel(record["address"])
             try:
-                info = await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=2)
+                info = await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
             except grpc.aio.AioRpcError:
                 await channel.close()
                 continue
@@ -224,7 +230,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def publish_queue_state(self, scheduler_id: str) -> None:
         """Queue depth and estimated tokens per worker, for the router and autoscaling."""
-        key = f"{PREFIX}queue:{scheduler_id}"
+        key = queue_state_key(scheduler_id)
         while True:
             state = {}
             for w in self.workers.values():
