@@ -224,7 +224,7 @@ def test_killed_worker_fails_its_streams_and_traffic_moves_on(model_dir):
 
 
 def test_router_without_workers_is_unavailable(tmp_path, model_dir):
-    from kvmesh.services.launcher import free_port, serve_command, start_redis, wait_serving
+    from kvmesh.services.launcher import free_port, serve_command, start_redis
     import subprocess
 
     redis_port, port = free_port(), free_port()

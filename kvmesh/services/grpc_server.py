@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import socket
 from typing import Callable
 
 import grpc
@@ -50,3 +52,27 @@ async def wait_for_termination(stop: Callable[[], "asyncio.Future | None"]) -> N
         loop.add_signal_handler(sig, done.set)
     await done.wait()
     await stop()
+
+
+def advertised_address(common, port: int) -> str:
+    """host:port that other services use: --advertise-host, else the listen host, else the hostname."""
+    host = common.advertise_host or (common.host if common.host not in ("0.0.0.0", "::", "") else socket.gethostname())
+    return f"{host}:{port}"
+
+
+async def serve_until_stopped(server: ServiceServer, registry, kind: str, instance_id: str, record: dict,
+                              *, tasks: tuple = (), serving: bool = True) -> None:
+    """Registers the service's lease, turns SERVING (unless the service decides readiness itself),
+    runs until SIGINT or SIGTERM, then stops background tasks, the lease and the server."""
+    await registry.register(kind, instance_id, {"pid": os.getpid(), **record})
+    if serving:
+        await server.set_serving(True)
+
+    async def stop():
+        for task in tasks:
+            task.cancel()
+        await registry.deregister(kind, instance_id)
+        await registry.close()
+        await server.stop()
+
+    await wait_for_termination(stop)

@@ -8,10 +8,9 @@ a new epoch (the worker restarted) or `forget` (the worker is gone) drops that w
 from __future__ import annotations
 
 import logging
-import os
 
 from kvmesh.services.config import CommonConfig, KVCacheServiceConfig
-from kvmesh.services.grpc_server import ServiceServer, wait_for_termination
+from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.kvcache.pages import PagePool
 from kvmesh.services.kvcache.replica import apply_ops
 from kvmesh.services.registry import Registry
@@ -52,15 +51,6 @@ async def serve(common: CommonConfig, cfg: KVCacheServiceConfig) -> None:
     server = ServiceServer(["kvmesh.v1.KVCache"], lambda s: kvcache_pb2_grpc.add_KVCacheServicer_to_server(service, s),
                            common.host, cfg.port)
     await server.start()
-    address = f"{common.advertise_host or common.host}:{server.port}"
-    registry = Registry(common.redis_url)
-    await registry.register("kvcache", address, {"address": address, "pid": os.getpid()})
-    await server.set_serving(True)
+    address = advertised_address(common, server.port)
     print(f"kvcache ready on {address}", flush=True)
-
-    async def stop():
-        await registry.deregister("kvcache", address)
-        await registry.close()
-        await server.stop()
-
-    await wait_for_termination(stop)
+    await serve_until_stopped(server, Registry(common.redis_url), "kvcache", address, {"address": address})

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import random
 import time
 import uuid
@@ -21,7 +20,7 @@ import grpc
 from kvmesh.params import InvalidRequest, validate_request
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
-from kvmesh.services.grpc_server import ServiceServer, wait_for_termination
+from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry
 from kvmesh.services.router.stops import StopStringMatcher
 from kvmesh.services.worker.checkpoint import ModelConfig, load_config
@@ -155,7 +154,7 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
     server = ServiceServer(["kvmesh.v1.Generation"], lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s),
                            common.host, cfg.port)
     await server.start()
-    address = f"{common.advertise_host or common.host}:{server.port}"
+    address = advertised_address(common, server.port)
     ready = asyncio.Event()
 
     async def on_ready(is_ready: bool):
@@ -165,12 +164,4 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
             print(f"router ready on {address}", flush=True)
 
     discovery = asyncio.create_task(service.discover(on_ready))
-    await registry.register("router", address, {"address": address, "pid": os.getpid()})
-
-    async def stop():
-        discovery.cancel()
-        await registry.deregister("router", address)
-        await registry.close()
-        await server.stop()
-
-    await wait_for_termination(stop)
+    await serve_until_stopped(server, registry, "router", address, {"address": address}, tasks=(discovery,), serving=False)

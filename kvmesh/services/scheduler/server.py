@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 import uuid
 
@@ -21,7 +20,7 @@ import grpc
 from kvmesh.params import InvalidRequest
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, SchedulerServiceConfig
-from kvmesh.services.grpc_server import ServiceServer, wait_for_termination
+from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.kvcache.replica import RecordingPagePool
 from kvmesh.services.registry import Registry, queue_state_key
 from kvmesh.services.scheduler.core import Scheduler, SchedulerConfig, TokenEvent
@@ -270,17 +269,7 @@ async def serve(common: CommonConfig, cfg: SchedulerServiceConfig) -> None:
     server = ServiceServer(["kvmesh.v1.Scheduler"], lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, s),
                            common.host, cfg.port)
     await server.start()
-    address = f"{common.advertise_host or common.host}:{server.port}"
-    tasks = [asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state(address))]
-    await registry.register("scheduler", address, {"address": address, "pid": os.getpid()})
-    await server.set_serving(True)
+    address = advertised_address(common, server.port)
+    tasks = (asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state(address)))
     print(f"scheduler ready on {address}", flush=True)
-
-    async def stop():
-        for t in tasks:
-            t.cancel()
-        await registry.deregister("scheduler", address)
-        await registry.close()
-        await server.stop()
-
-    await wait_for_termination(stop)
+    await serve_until_stopped(server, registry, "scheduler", address, {"address": address}, tasks=tasks)

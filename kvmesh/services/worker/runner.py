@@ -47,6 +47,12 @@ class SequenceState:
     sampling_row: SamplingRow
     page_ids: list[int]
     num_computed_tokens: int
+    contiguous: bool = False  # page_ids is one run of consecutive pages: attention reads it in place
+
+    def extend(self, pages: list[int]) -> None:
+        for page in pages:
+            self.contiguous = not self.page_ids or (self.contiguous and page == self.page_ids[-1] + 1)
+            self.page_ids.append(page)
 
 
 class ModelRunner:
@@ -68,9 +74,10 @@ class ModelRunner:
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
             sampling_row=SamplingRow(new.sampling, prompt, output),
-            page_ids=list(new.page_ids),
+            page_ids=[],
             num_computed_tokens=new.num_computed_tokens,
         )
+        self.seqs[new.seq_id].extend(new.page_ids)
 
     def _slots(self, state: SequenceState, upto: int) -> torch.Tensor:
         pages = torch.tensor(state.page_ids[: -(-upto // self.page_size)], dtype=torch.long)
@@ -82,7 +89,7 @@ class ModelRunner:
         window = self.model.cfg.sliding_window
         for chunk in plan.scheduled:
             state = self.seqs[chunk.seq_id]
-            state.page_ids.extend(chunk.new_page_ids)
+            state.extend(chunk.new_page_ids)
             start, end = state.num_computed_tokens, state.num_computed_tokens + chunk.num_tokens
             if end > len(state.page_ids) * self.page_size:
                 raise RuntimeError(f"sequence {chunk.seq_id}: {end} tokens do not fit its {len(state.page_ids)} pages")
@@ -90,10 +97,9 @@ class ModelRunner:
             tokens.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             slots.append(ctx_slots[start:end])
-            pages = state.page_ids
-            contiguous = pages[-1] - pages[0] == len(pages) - 1 and all(b == a + 1 for a, b in zip(pages, pages[1:]))
+            first_slot = state.page_ids[0] * self.page_size if state.contiguous else None
             seqs.append(SequenceSlice(row, row + chunk.num_tokens, ctx_slots, causal_mask(chunk.num_tokens, end, window),
-                                      first_slot=pages[0] * self.page_size if contiguous else None))
+                                      first_slot=first_slot))
             row += chunk.num_tokens
             state.num_computed_tokens = end
             if end == len(state.token_ids):

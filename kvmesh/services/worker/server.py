@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 from pathlib import Path
 
 import grpc
@@ -18,7 +16,7 @@ import grpc
 from kvmesh.params import SamplingParams
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, WorkerConfig
-from kvmesh.services.grpc_server import ServiceServer, wait_for_termination
+from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry
 from kvmesh.services.worker.model import CausalLM
 from kvmesh.services.worker.runner import KVPool, ModelRunner
@@ -90,8 +88,7 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     server = ServiceServer(["kvmesh.v1.Worker"], lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(service, s),
                            common.host, cfg.port)
     await server.start()
-    host = common.advertise_host or (common.host if common.host not in ("0.0.0.0", "") else socket.gethostname())
-    address = f"{host}:{server.port}"
+    address = advertised_address(common, server.port)
     worker_id = cfg.worker_id or address
     log.info("worker %s listening on %s, loading model", worker_id, address)
     service.runner = runner = await asyncio.to_thread(load_runner, cfg)
@@ -103,14 +100,6 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
         worker_id=worker_id, model=str(model_dir or "default"), num_pages=runner.pool.num_pages, page_size=runner.page_size,
         max_context=mcfg.max_position_embeddings, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
         epoch=epoch)
-    await registry.register("worker", worker_id, {"address": address, "epoch": epoch, "pid": os.getpid(),
-                                                  "num_pages": runner.pool.num_pages})
-    await server.set_serving(True)
     print(f"worker {worker_id} ready on {address} ({runner.pool.num_pages} KV pages, epoch {epoch})", flush=True)
-
-    async def stop():
-        await registry.deregister("worker", worker_id)
-        await registry.close()
-        await server.stop()
-
-    await wait_for_termination(stop)
+    await serve_until_stopped(server, registry, "worker", worker_id,
+                              {"address": address, "epoch": epoch, "num_pages": runner.pool.num_pages})
