@@ -8,6 +8,7 @@ new owner (a restarted scheduler): the worker forgets every sequence of the prev
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from pathlib import Path
 
@@ -32,6 +33,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self):
         self.runner: ModelRunner | None = None
+        # Every step runs on this one thread: torch's OpenMP pool belongs to the calling thread,
+        # and steps hopping between executor threads would keep several pools alive and spinning.
+        self._compute = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self.info = worker_pb2.WorkerInfo()
         self._stream_owner = 0
 
@@ -46,7 +50,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.ABORTED, "another scheduler stream took over this worker")
             plan = wire.plan_from_proto(request)
             try:
-                result = await asyncio.to_thread(self.runner.step, plan)
+                result = await asyncio.get_running_loop().run_in_executor(self._compute, self.runner.step, plan)
             except Exception as e:  # one bad step must not take the worker down
                 log.exception("step %d failed", request.step)
                 for chunk in plan.scheduled:
@@ -91,7 +95,7 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     address = advertised_address(common, server.port)
     worker_id = cfg.worker_id or address
     log.info("worker %s listening on %s, loading model", worker_id, address)
-    service.runner = runner = await asyncio.to_thread(load_runner, cfg)
+    service.runner = runner = await asyncio.get_running_loop().run_in_executor(service._compute, load_runner, cfg)
     registry = Registry(common.redis_url)
     epoch = await registry.next_epoch(worker_id)
     model_dir = Path(cfg.model) if cfg.model else None
