@@ -90,7 +90,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cls = _service_config_class(args.service)
-    c.check_environment([c.CommonConfig, cls])
+    try:
+        c.check_environment([c.CommonConfig, cls])
+    except ValueError as e:
+        print(f"kvmesh serve {args.service}: error: {e}", file=sys.stderr)
+        return 2
     common, cfg = c.from_args(c.CommonConfig, args), c.from_args(cls, args)
     if args.check:
         print(f"{args.service}: configuration ok: {common} {cfg}")

@@ -69,6 +69,28 @@ async def page_stats(addr):
         return (await kvcache_pb2_grpc.KVCacheStub(ch).Stats(kvcache_pb2.StatsRequest())).workers
 
 
+async def queue_state(redis_url, until, timeout=10):
+    """Requests (running plus waiting) in the schedulers' Redis queue state, once `until(n)` holds."""
+    import json
+
+    import redis.asyncio as aioredis
+
+    from kvmesh.services.registry import QUEUE_STATE_PATTERN
+
+    r = aioredis.from_url(redis_url, decode_responses=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            keys = [k async for k in r.scan_iter(QUEUE_STATE_PATTERN)]
+            states = [json.loads(v) for v in await r.mget(keys) if v] if keys else []
+            n = sum(len(w["running"]) + len(w["waiting"]) for s in states for w in s.values())
+            if until(n) or time.monotonic() > deadline:
+                return n
+            await asyncio.sleep(0.1)
+    finally:
+        await r.aclose()
+
+
 async def wait_idle(addr, timeout=10):
     """Waits until no worker has pages in use; returns the last stats."""
     deadline = time.monotonic() + timeout
@@ -109,6 +131,7 @@ def test_cancelled_and_deadline_streams_free_their_pages(mesh):
             for call in calls:  # each has produced at least one token: it is mid-generation
                 await call.read()
             busy = await page_stats(mesh.kvcache_addr)
+            queued = await queue_state(mesh.redis_url, lambda n: n == 50)
             for call in calls:
                 call.cancel()
             late = [stub.Generate(greedy(f"deadline {i}", 400), timeout=0.5) for i in range(5)]
@@ -120,10 +143,11 @@ def test_cancelled_and_deadline_streams_free_their_pages(mesh):
                     codes.append(grpc.StatusCode.OK)
                 except grpc.aio.AioRpcError as e:
                     codes.append(e.code())
-            return busy, codes, await wait_idle(mesh.kvcache_addr)
+            return busy, queued, codes, await wait_idle(mesh.kvcache_addr)
 
-    busy, codes, idle = asyncio.run(run())
+    busy, queued, codes, idle = asyncio.run(run())
     assert sum(w.used_pages for w in busy) > 0
+    assert queued == 50  # Redis queue state listed every stream, running or waiting
     assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 5
     assert all(w.used_pages == 0 for w in idle), idle
 
@@ -252,3 +276,16 @@ def test_router_without_workers_is_unavailable(tmp_path, model_dir):
         router.wait(10)
         redis.terminate()
         redis.wait(10)
+
+
+def test_generate_command_streams_text_and_reports_usage(mesh, model_dir):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--addr", mesh.addr, "--max-new-tokens", "6",
+                           "river stone"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    tok = Tokenizer.from_dir(model_dir)
+    ref = hf_greedy(model_dir, tok.encode("river stone"), 6)
+    assert proc.stdout.strip() == tok.decode(ref.token_ids).strip()
+    assert "completion 6 tokens" in proc.stderr and "first token" in proc.stderr

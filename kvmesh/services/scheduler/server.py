@@ -228,17 +228,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             log.info("scheduling on worker %s at %s", loop.worker_id, loop.address)
 
     async def publish_queue_state(self, scheduler_id: str) -> None:
-        """Queue depth and estimated tokens per worker, for the router and autoscaling."""
+        """Per worker: the waiting requests with their estimated tokens (prompt still to compute plus
+        output still to come), the running ones, and step timing; for the router, metrics and
+        autoscaling. Written every half second, never from the batching loop."""
         key = queue_state_key(scheduler_id)
         while True:
             state = {}
             for w in self.workers.values():
-                waiting = w.core.waiting
+                waiting = [{"id": r.request_id, "priority": r.priority, "estimated_tokens": _estimated_tokens(r)}
+                           for r in w.core.waiting]
                 state[w.worker_id] = {
                     "alive": w.alive,
-                    "waiting": len(waiting),
-                    "running": len(w.core.running),
-                    "estimated_tokens": sum(r.num_tokens + r.stopping.max_new_tokens for r in waiting),
+                    "waiting": waiting,
+                    "running": [r.request_id for r in w.core.running],
+                    "estimated_tokens": sum(r["estimated_tokens"] for r in waiting),
                     "step_timing": w.timing,
                 }
             try:
@@ -246,6 +249,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             except Exception as e:
                 log.warning("queue state write failed: %s", e)
             await asyncio.sleep(0.5)
+
+
+def _estimated_tokens(r: Request) -> int:
+    return (r.num_tokens - r.num_computed_tokens) + (r.stopping.max_new_tokens - len(r.output_token_ids))
 
 
 def _event_to_proto(event: TokenEvent, worker_id: str) -> scheduler_pb2.TokenEvent:
