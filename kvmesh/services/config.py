@@ -86,6 +86,11 @@ class SchedulerServiceConfig:
     max_num_seqs: int = dataclasses.field(default=128, metadata=_help("running sequences per worker"))
     victim_policy: str = dataclasses.field(default="newest", metadata=_help("newest, priority or size"))
     prefix_caching: bool = dataclasses.field(default=True, metadata=_help("share prompt prefixes"))
+    worker_choice: str = dataclasses.field(default="kv", metadata=_help("kv (prefix overlap vs load) or round-robin"))
+    prefill_weight: float = dataclasses.field(default=1.0, metadata=_help("kv choice: cost per prompt page to prefill"))
+    load_weight: float = dataclasses.field(default=0.05, metadata=_help("kv choice: cost per page of queued work"))
+    balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("kv choice: allowed load above the least loaded worker, as a fraction of its load"))
+    balance_slack_pages: float = dataclasses.field(default=32.0, metadata=_help("kv choice: allowed load above the least loaded worker, in pages, at least"))
 
 
 @dataclass(frozen=True)

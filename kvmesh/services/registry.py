@@ -29,7 +29,7 @@ def queue_state_key(scheduler_id: str) -> str:
 QUEUE_STATE_PATTERN = queue_state_key("*")
 
 
-def _service_key(kind: str, instance_id: str) -> str:
+def service_key(kind: str, instance_id: str) -> str:
     return f"{PREFIX}svc:{kind}:{instance_id}"
 
 
@@ -45,7 +45,7 @@ class Registry:
         """Writes the lease now and keeps renewing it until `close()`."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        key = _service_key(kind, instance_id)
+        key = service_key(kind, instance_id)
         payload = json.dumps({"id": instance_id, "kind": kind, **record})
         await self.redis.set(key, payload, px=int(self.lease_s * 1000))
         self._heartbeats.append(asyncio.create_task(self._renew(key, payload)))
@@ -59,11 +59,11 @@ class Registry:
                 log.warning("lease renewal for %s failed: %s", key, e)
 
     async def deregister(self, kind: str, instance_id: str) -> None:
-        await self.redis.delete(_service_key(kind, instance_id))
+        await self.redis.delete(service_key(kind, instance_id))
 
     async def services(self, kind: str) -> list[dict]:
         """Records of the live services of one kind, sorted by id."""
-        keys = [k async for k in self.redis.scan_iter(match=_service_key(kind, "*"), count=100)]
+        keys = [k async for k in self.redis.scan_iter(match=service_key(kind, "*"), count=100)]
         if not keys:
             return []
         values = await self.redis.mget(keys)

@@ -23,6 +23,16 @@ def page_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> b
     return h.digest()
 
 
+def prefix_hashes(token_ids: list[int], page_size: int) -> list[bytes]:
+    """The chained hashes of the full pages of `token_ids` that a prefix hit may cover (the last
+    token is always computed, so a page ending on it is left out)."""
+    hashes, parent = [], None
+    for i in range((len(token_ids) - 1) // page_size):
+        parent = page_hash(parent, token_ids[i * page_size : (i + 1) * page_size])
+        hashes.append(parent)
+    return hashes
+
+
 @dataclass(frozen=True)
 class PageStats:
     total: int
@@ -54,6 +64,8 @@ class PagePool:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
         self.index: dict[bytes, int] = {}  # page hash -> page id
         self.tables: dict[str, PageTable] = {}
+        # (added, hash) for every prefix-index change, when someone mirrors the index (kvcache -> Redis).
+        self.index_changes: list[tuple[bool, bytes]] | None = None
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -76,10 +88,9 @@ class PagePool:
         uncached (its logits must be computed)."""
         if not self.enable_prefix_caching:
             return []
-        pages, parent = [], None
-        for i in range((len(token_ids) - 1) // self.page_size):
-            parent = page_hash(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
-            page = self.index.get(parent)
+        pages = []
+        for h in prefix_hashes(token_ids, self.page_size):
+            page = self.index.get(h)
             if page is None:
                 break
             pages.append(page)
@@ -126,6 +137,8 @@ class PagePool:
             page = table.page_ids[i]
             if h not in self.index and self.hash_of[page] is None:
                 self.index[h] = page
+                if self.index_changes is not None:
+                    self.index_changes.append((True, h))
                 self.hash_of[page] = h
 
     def release(self, seq_id: str) -> None:
@@ -171,6 +184,8 @@ class PagePool:
         else:
             page, _ = self.evictable.popitem(last=False)
             del self.index[self.hash_of[page]]
+            if self.index_changes is not None:
+                self.index_changes.append((False, self.hash_of[page]))
             self.hash_of[page] = None
         self.ref_count[page] = 1
         return page

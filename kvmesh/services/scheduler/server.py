@@ -10,10 +10,12 @@ one write-behind call. A worker whose stream breaks fails its requests with an E
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
 import uuid
+from collections import Counter
 
 import grpc
 
@@ -21,9 +23,11 @@ from kvmesh.params import InvalidRequest
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, SchedulerServiceConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
+from kvmesh.services.kvcache.pages import prefix_hashes
 from kvmesh.services.kvcache.replica import RecordingPagePool
 from kvmesh.services.registry import Registry, queue_state_key
 from kvmesh.services.scheduler.core import Scheduler, SchedulerConfig, TokenEvent
+from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker
 from kvmesh.services.scheduler.request import FinishReason, Request
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -49,6 +53,8 @@ class WorkerLoop:
         self.core = Scheduler(self.pool, SchedulerConfig(cfg.max_batched_tokens, cfg.max_num_seqs, cfg.victim_policy))
         self.kvcache = kvcache
         self.streams: dict[str, asyncio.Queue] = {}
+        self.queued_hashes: Counter[bytes] = Counter()  # prompt pages of this worker's requests
+        self.expected_hits: dict[str, int] = {}  # request id -> prompt tokens expected from the cache
         self.wake = asyncio.Event()
         self.alive = True
         self._page_ops: asyncio.Queue = asyncio.Queue()
@@ -56,39 +62,66 @@ class WorkerLoop:
         # of the round trip (wire and (de)serialisation), and applying the result.
         self.timing = {"steps": 0, "schedule_s": 0.0, "forward_s": 0.0, "wire_s": 0.0, "update_s": 0.0}
 
-    @property
-    def load(self) -> int:
-        return len(self.core.running) + len(self.core.waiting)
+    def view(self, hashes: list[bytes]) -> WorkerView:
+        """What placement needs to know about this worker for a prompt with these page hashes."""
+        held = 0
+        for h in hashes:
+            if h not in self.pool.index and h not in self.queued_hashes:
+                break
+            held += 1
+        remaining = sum(self.estimated_tokens(r) for r in self.core.requests.values())
+        stats = self.pool.stats()
+        return WorkerView(self.worker_id, held, remaining / self.pool.page_size, stats.used + stats.cached)
 
-    def submit(self, req: Request) -> asyncio.Queue:
+    def estimated_tokens(self, r: Request) -> int:
+        """Tokens still to compute (prompt not yet computed nor expected from the cache) or to generate."""
+        computed = max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0))
+        return (r.num_tokens - computed) + (r.stopping.max_new_tokens - len(r.output_token_ids))
+
+    def submit(self, req: Request, hashes: list[bytes], expected_hit_pages: int) -> asyncio.Queue:
         self.core.check_fits(req)
+        self.expected_hits[req.request_id] = expected_hit_pages * self.pool.page_size
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[req.request_id] = queue
         self.core.add(req)
+        self.queued_hashes.update(hashes)
         self.wake.set()
         return queue
 
-    def cancel(self, request_id: str) -> None:
+    def done(self, request_id: str, hashes: list[bytes], finished: bool) -> None:
+        """The request's stream ended; cancel it here unless it finished."""
         self.streams.pop(request_id, None)
-        self.core.abort(request_id)
-        self.wake.set()
+        self.expected_hits.pop(request_id, None)
+        self.queued_hashes.subtract(hashes)
+        self.queued_hashes += Counter()  # drop zero counts
+        if not finished:
+            self.core.abort(request_id)
+            self.wake.set()
 
     async def run(self, channel: grpc.aio.Channel) -> None:
         shipper = asyncio.create_task(self._ship_page_ops())
         call = worker_pb2_grpc.WorkerStub(channel).Step()
         step = 0
+        pending_read = None  # a read left open while idle: it completes only if the stream ends
         try:
             while True:
                 if not self.core.has_unfinished():
                     self._queue_ops()
                     self.wake.clear()
-                    await self.wake.wait()
+                    pending_read = pending_read or asyncio.ensure_future(call.read())
+                    woken = asyncio.ensure_future(self.wake.wait())
+                    await asyncio.wait({pending_read, woken}, return_when=asyncio.FIRST_COMPLETED)
+                    if pending_read.done():
+                        woken.cancel()
+                        pending_read.result()  # raises the stream's error, if it has one
+                        raise WorkerGone("the worker closed its step stream")
                 t0 = time.perf_counter()
                 plan = self.core.schedule()
                 step += 1
                 t1 = time.perf_counter()
                 await call.write(wire.plan_to_proto(step, plan))
-                result = await call.read()
+                result = await (pending_read or call.read())
+                pending_read = None
                 t2 = time.perf_counter()
                 if result is grpc.aio.EOF:
                     raise WorkerGone("the worker closed its step stream")
@@ -157,22 +190,32 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.cfg = cfg
         self.registry = registry
         self.workers: dict[str, WorkerLoop] = {}
+        self.placement = PlacementConfig(cfg.worker_choice, cfg.prefill_weight, cfg.load_weight,
+                                         cfg.balance_ratio, cfg.balance_slack_pages)
+        self._round_robin = itertools.count()
         self._kvcache_stub = None
 
     def kvcache(self):
         return self._kvcache_stub
 
-    def pick_worker(self) -> WorkerLoop | None:
-        alive = [w for w in self.workers.values() if w.alive]
-        return min(alive, key=lambda w: (w.load, w.worker_id)) if alive else None
+    def pick_worker(self, hashes: list[bytes]) -> WorkerLoop | None:
+        alive = sorted((w for w in self.workers.values() if w.alive), key=lambda w: w.worker_id)
+        if not alive:
+            return None
+        if self.placement.policy == "round-robin":
+            return alive[next(self._round_robin) % len(alive)]
+        chosen = choose_worker(len(hashes), [w.view(hashes) for w in alive], self.placement)
+        return self.workers[chosen.worker_id]
 
     async def Submit(self, request, context):
-        worker = self.pick_worker()
+        page_size = next((w.pool.page_size for w in self.workers.values()), 16)
+        hashes = prefix_hashes(list(request.prompt_token_ids), page_size) if self.cfg.prefix_caching else []
+        worker = self.pick_worker(hashes)
         for _ in range(int(NO_WORKER_WAIT_S / 0.1)):  # a worker may be (re)joining: wait, bounded
             if worker is not None:
                 break
             await asyncio.sleep(0.1)
-            worker = self.pick_worker()
+            worker = self.pick_worker(hashes)
         if worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker is ready (waited {NO_WORKER_WAIT_S:.0f}s)")
         req = Request(
@@ -184,7 +227,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             priority=request.priority,
         )
         try:
-            queue = worker.submit(req)
+            queue = worker.submit(req, hashes, worker.view(hashes).prefix_pages)
         except (InvalidRequest, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finished = False
@@ -194,8 +237,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 finished = event.finish_reason is not None
                 yield _event_to_proto(event, worker.worker_id)
         finally:
-            if not finished:  # the client went away or its deadline passed
-                worker.cancel(req.request_id)
+            worker.done(req.request_id, hashes, finished)  # cancels it if the client left or timed out
 
     async def discover(self) -> None:
         """Keeps `workers` in step with the registry: new workers get a loop."""
@@ -235,7 +277,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         while True:
             state = {}
             for w in self.workers.values():
-                waiting = [{"id": r.request_id, "priority": r.priority, "estimated_tokens": _estimated_tokens(r)}
+                waiting = [{"id": r.request_id, "priority": r.priority, "estimated_tokens": w.estimated_tokens(r)}
                            for r in w.core.waiting]
                 state[w.worker_id] = {
                     "alive": w.alive,
@@ -249,10 +291,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             except Exception as e:
                 log.warning("queue state write failed: %s", e)
             await asyncio.sleep(0.5)
-
-
-def _estimated_tokens(r: Request) -> int:
-    return (r.num_tokens - r.num_computed_tokens) + (r.stopping.max_new_tokens - len(r.output_token_ids))
 
 
 def _event_to_proto(event: TokenEvent, worker_id: str) -> scheduler_pb2.TokenEvent:

@@ -1,0 +1,52 @@
+"""Which worker a new request goes to: KV-aware cost with a balance guard.
+
+cost(worker) = prefill_weight * (prompt pages the worker would still have to prefill)
+             + load_weight * (the worker's load, in pages of work: tokens still to compute or
+                              generate for its queued and running requests / page size)
+A worker "holds" a prompt page when the page is in its prefix index or belongs to a prompt
+already queued there (so a burst of requests with a new shared prefix follows the first one).
+Balance guard: only workers whose load is within max(balance_slack_pages, balance_ratio *
+lowest load) of the least loaded worker are candidates, so one hot prefix (a shared system
+prompt) cannot pile every request on one worker while the others idle. Ties go to the worker
+holding fewer pages, then by id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("kv", "round-robin")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    policy: str = "kv"
+    prefill_weight: float = 1.0
+    load_weight: float = 0.05
+    balance_ratio: float = 0.5
+    balance_slack_pages: float = 32.0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"worker_choice must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    prefix_pages: int  # leading prompt pages the worker holds (cached or being computed)
+    load_pages: float
+    held_pages: int  # pages in use or cached
+
+
+def choose_worker(prompt_pages: int, views: list[WorkerView], cfg: PlacementConfig) -> WorkerView:
+    """The cheapest eligible worker for a prompt of `prompt_pages` full pages; `views` non-empty."""
+    lowest = min(v.load_pages for v in views)
+    limit = lowest + max(cfg.balance_slack_pages, cfg.balance_ratio * lowest)
+    eligible = [v for v in views if v.load_pages <= limit]
+
+    def cost(v: WorkerView):
+        prefill = cfg.prefill_weight * (prompt_pages - v.prefix_pages)
+        return (prefill + cfg.load_weight * v.load_pages, v.held_pages, v.worker_id)
+
+    return min(eligible, key=cost)

@@ -1,0 +1,140 @@
+"""Prefix sharing and KV-aware worker choice through the mesh, and the Redis prefix mirror."""
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+import redis
+
+from kvmesh.services.kvcache.pages import prefix_hashes
+from kvmesh.services.kvcache.prefix_store import PrefixStore, prefix_key
+from kvmesh.services.registry import service_key
+from kvmesh.v1 import generation_pb2 as gen
+from kvmesh.v1 import generation_pb2_grpc
+from reference import assert_matches_reference, hf_greedy
+from test_mesh import Mesh, collect, model_dir  # noqa: F401  (fixture)
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir):  # noqa: F811
+    m = Mesh(model_dir)
+    yield m
+    m.close()
+
+
+def ids_request(ids, n=8):
+    return gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=ids), sampling=gen.SamplingParams(temperature=0.0),
+                               stopping=gen.StoppingParams(max_new_tokens=n, ignore_eos=True))
+
+
+def random_ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def generate_all(addr, requests):
+    async def run():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            return await asyncio.gather(*(collect(stub, r) for r in requests))
+
+    return asyncio.run(run())
+
+
+def test_second_request_reuses_a_256_token_prefix_with_the_same_tokens(mesh, model_dir):  # noqa: F811
+    prefix = random_ids(256, seed=1)
+    first, second = prefix + random_ids(9, seed=2), prefix + random_ids(7, seed=3)
+    [(_, _, _, f1)] = generate_all(mesh.addr, [ids_request(first, 10)])
+    [(tokens, logprobs, _, f2)] = generate_all(mesh.addr, [ids_request(second, 10)])
+    assert f1.cached_prompt_tokens == 0
+    assert f2.cached_prompt_tokens >= 240 and f2.worker_id == f1.worker_id
+    assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, second, 10))
+
+
+def test_kv_aware_choice_follows_prefixes_and_stays_balanced(mesh):
+    prefixes = [random_ids(300, seed=10 + i) for i in range(4)]
+    holders = {}
+    for i, p in enumerate(prefixes):  # one request per prefix puts it in some worker's cache
+        [(_, _, _, finish)] = generate_all(mesh.addr, [ids_request(p + [7, 8, 9], 4)])
+        holders[i] = finish.worker_id
+    requests, which = [], []
+    for k in range(40):  # mixed traffic: the four prefixes interleaved, each with its own question
+        which.append(k % 4)
+        requests.append(ids_request(prefixes[k % 4] + random_ids(10, seed=100 + k), 6))
+    results = generate_all(mesh.addr, requests)
+    hits = sum(f.cached_prompt_tokens >= 288 and f.worker_id == holders[i] for i, (*_, f) in zip(which, results))
+    per_worker = {}
+    for *_, f in results:
+        per_worker[f.worker_id] = per_worker.get(f.worker_id, 0) + 1
+    assert hits >= 36, f"{hits}/40 went to a worker holding their prefix"
+    assert len(per_worker) == 2 and max(per_worker.values()) <= 26, per_worker  # at most 65%
+
+
+def test_a_hot_prefix_is_spread_over_both_workers(mesh):
+    hot = random_ids(300, seed=20)
+    generate_all(mesh.addr, [ids_request(hot + [5], 4)])
+    results = generate_all(mesh.addr, [ids_request(hot + random_ids(6, seed=200 + k), 24) for k in range(30)])
+    per_worker = {}
+    for *_, f in results:
+        per_worker[f.worker_id] = per_worker.get(f.worker_id, 0) + 1
+    assert len(per_worker) == 2 and min(per_worker.values()) >= 5, per_worker
+
+
+def test_prefix_mirror_counts_only_live_epochs(mesh):
+    """Entries written under an old epoch are never counted, whatever Redis still holds."""
+    async def run():
+        import redis.asyncio as aioredis
+
+        r = aioredis.from_url(mesh.redis_url, decode_responses=True)
+        store = PrefixStore(r)
+        hashes = prefix_hashes(random_ids(80, seed=30), 16)
+        await store.apply("ghost-worker", 3, [(True, h) for h in hashes], purge=True)
+        live, stale = await store.holders(hashes, {"ghost-worker": 3}), await store.holders(hashes, {"ghost-worker": 4})
+        await store.apply("ghost-worker", 3, [(False, h) for h in hashes[2:]])
+        shrunk = await store.holders(hashes, {"ghost-worker": 3})
+        await store.purge("ghost-worker")
+        await r.aclose()
+        return live, stale, shrunk
+
+    live, stale, shrunk = asyncio.run(run())
+    assert live == {"ghost-worker": 4} and stale == {"ghost-worker": 0} and shrunk == {"ghost-worker": 2}
+
+
+def test_restarted_worker_stale_prefix_entries_are_purged_and_unused(model_dir):  # noqa: F811
+    mesh = Mesh(model_dir)
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    try:
+        prompt = random_ids(100, seed=40)
+        [(_, _, _, finish)] = generate_all(mesh.addr, [ids_request(prompt, 4)])
+        worker = mesh.child(finish.worker_id)
+        old_epoch = json.loads(r.get(service_key("worker", finish.worker_id)))["epoch"]
+        entries = r.hgetall(prefix_key(finish.worker_id))
+        assert len(entries) == 6 and set(entries.values()) == {str(old_epoch)}  # 96 cached prompt tokens
+
+        worker.process.send_signal(signal.SIGKILL)
+        worker.process.wait()
+        deadline = time.monotonic() + 15
+        while r.exists(prefix_key(finish.worker_id)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not r.exists(prefix_key(finish.worker_id)), "the dead worker's prefix entries stayed in Redis"
+
+        worker.process = subprocess.Popen(worker.process.args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            record = r.get(service_key("worker", finish.worker_id))
+            if record and json.loads(record)["epoch"] > old_epoch:
+                break
+            time.sleep(0.2)
+        time.sleep(1.5)  # the scheduler picks the restarted worker up
+        # The same prompt again: whichever worker takes it, nothing stale is counted as cached.
+        [(_, _, _, again)] = generate_all(mesh.addr, [ids_request(prompt, 4)])
+        assert again.cached_prompt_tokens == 0
+        assert all(v != str(old_epoch) for v in r.hgetall(prefix_key(finish.worker_id)).values())
+    finally:
+        r.close()
+        mesh.close()
