@@ -92,10 +92,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cls = _service_config_class(args.service)
     try:
         c.check_environment([c.CommonConfig, cls])
+        common, cfg = c.from_args(c.CommonConfig, args), c.from_args(cls, args)
     except ValueError as e:
         print(f"kvmesh serve {args.service}: error: {e}", file=sys.stderr)
         return 2
-    common, cfg = c.from_args(c.CommonConfig, args), c.from_args(cls, args)
     if args.check:
         print(f"{args.service}: configuration ok: {common} {cfg}")
         return 0

@@ -29,3 +29,10 @@ def test_unknown_variable_is_an_error_naming_it():
 def test_badly_typed_variable_names_the_variable():
     proc = serve_check("worker", env={"KVMESH_PAGE_SIZE": "sixteen"})
     assert proc.returncode == 2 and "KVMESH_PAGE_SIZE" in proc.stderr
+
+
+def test_invalid_scheduler_setting_is_an_error_naming_it():
+    proc = serve_check("scheduler", "--worker-choice", "random")
+    assert proc.returncode == 2 and "worker_choice" in proc.stderr
+    proc = serve_check("scheduler", "--victim-policy", "oldest")
+    assert proc.returncode == 2 and "victim_policy" in proc.stderr

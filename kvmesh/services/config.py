@@ -92,6 +92,14 @@ class SchedulerServiceConfig:
     balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("kv choice: allowed load above the least loaded worker, as a fraction of its load"))
     balance_slack_pages: float = dataclasses.field(default=32.0, metadata=_help("kv choice: allowed load above the least loaded worker, in pages, at least"))
 
+    def __post_init__(self):
+        # The cores check their own settings; building them here reports a bad one at start (and under --check).
+        from kvmesh.services.scheduler.core import SchedulerConfig
+        from kvmesh.services.scheduler.placement import PlacementConfig
+
+        SchedulerConfig(self.max_batched_tokens, self.max_num_seqs, self.victim_policy)
+        PlacementConfig(self.worker_choice, self.prefill_weight, self.load_weight, self.balance_ratio, self.balance_slack_pages)
+
 
 @dataclass(frozen=True)
 class KVCacheServiceConfig:
