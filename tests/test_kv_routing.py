@@ -17,7 +17,7 @@ from kvmesh.services.registry import service_key
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from reference import assert_matches_reference, hf_greedy
-from test_mesh import Mesh, collect, model_dir  # noqa: F401  (fixture)
+from test_mesh import Mesh, collect, model_dir, wait_idle  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +138,31 @@ def test_restarted_worker_stale_prefix_entries_are_purged_and_unused(model_dir):
     finally:
         r.close()
         mesh.close()
+
+
+def test_preempted_streams_continue_without_gap_or_repeat(model_dir):  # noqa: F811
+    # 1 MiB of KV per worker: 128 pages, 2,048 tokens; eight 550-token requests over two workers overflow it.
+    mesh = Mesh(model_dir, extra_worker=["--kv-memory-mib", "1"])
+    try:
+        prompts = [random_ids(150, seed=50 + i) for i in range(8)]
+        results = generate_all(mesh.addr, [ids_request(p, 400) for p in prompts])
+        assert sum(f.preemptions for *_, f in results) > 0, "the pool was meant to force preemption"
+        for prompt, (tokens, logprobs, _, finish) in zip(prompts, results):
+            assert finish.completion_tokens == len(tokens) == 400
+            assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, prompt, 400))
+    finally:
+        mesh.close()
+
+
+def test_redis_prefix_copy_shrinks_with_eviction(mesh):
+    # 20 distinct 1,000-token prompts: more pages than both workers hold, so cached pages get evicted.
+    generate_all(mesh.addr, [ids_request(random_ids(1000, seed=60 + i), 2) for i in range(20)])
+    stats = asyncio.run(wait_idle(mesh.kvcache_addr))
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    try:
+        for w in stats:
+            assert w.free_pages == 0 or w.cached_pages < w.total_pages
+            assert r.hlen(prefix_key(w.worker_id)) == w.cached_pages  # idle: every indexed page is cached
+        assert sum(w.cached_pages for w in stats) < 20 * 62  # some of the 1,240 prompt pages were evicted
+    finally:
+        r.close()

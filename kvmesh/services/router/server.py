@@ -125,7 +125,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                         cached_prompt_tokens=event.cached_prompt_tokens, completion_tokens=completion,
                         queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
                         total_ms=(now - started) * 1000, message=event.message,
-                        worker_id=event.worker_id))
+                        worker_id=event.worker_id, preemptions=event.preemptions))
                     yield out
                     return
                 yield out

@@ -302,6 +302,7 @@ def _event_to_proto(event: TokenEvent, worker_id: str) -> scheduler_pb2.TokenEve
         req = event.request
         m.finish_reason = _REASONS[event.finish_reason]
         m.cached_prompt_tokens = req.num_cached_prompt_tokens
+        m.preemptions = req.num_preemptions
         started = req.first_scheduled_time or req.finish_time or time.monotonic()
         m.queue_ms = (started - req.arrival_time) * 1000
         m.message = event.message
