@@ -94,7 +94,7 @@ def main() -> None:
     mesh_tps, engine_tps = statistics.median(mesh_runs), statistics.median(engine_runs)
     print(f"median of {args.repeat}: mesh (1 worker) {mesh_tps:7.1f} output tok/s, in-process engine {engine_tps:7.1f} output tok/s")
     print(f"mesh / in-process: {mesh_tps / engine_tps:.1%}")
-    for worker_state in (s for d in state for s in d.values()):
+    for worker_state in (s for d in state for s in d["workers"].values()):
         t = worker_state["step_timing"]
         n = max(1, t["steps"])
         print(f"per step, all passes ({t['steps']} steps): schedule {t['schedule_s'] / n * 1000:.2f} ms, "

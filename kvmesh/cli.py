@@ -107,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from kvmesh.services.launcher import up
 
-    return up(str(args.model) if args.model else None, args.workers, args.redis_url, args.port)
+    return up(str(args.model) if args.model else None, args.workers, args.redis_url, args.port, args.batching)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
     p.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="scheduler batching mode (static: the baseline, a batch runs until its longest request ends)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("generate", help="stream a completion from a running mesh")
@@ -183,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.set_defaults(func=cmd_generate)
+
+    from kvmesh import bench
+
+    bench.add_parser(sub)
     return parser
 
 

@@ -23,12 +23,13 @@ def model_dir(tmp_path_factory):
 
 
 class Mesh:
-    def __init__(self, model_dir, workers=2, extra_worker=()):
+    def __init__(self, model_dir, workers=2, extra_worker=(), extra_scheduler=()):
         from kvmesh.services.launcher import free_port
 
         self.port = free_port()
         self.children, self.redis, self.redis_url = launch(str(model_dir), workers, None, self.port,
-                                                           extra_worker=["--kv-memory-mib", "4", *extra_worker])
+                                                           extra_worker=["--kv-memory-mib", "4", *extra_worker],
+                                                           extra_scheduler=list(extra_scheduler))
         self.addr = f"127.0.0.1:{self.port}"
         self.kvcache_addr = next(c.address for c in self.children if c.name == "kvcache")
 
@@ -83,7 +84,7 @@ async def queue_state(redis_url, until, timeout=10):
         while True:
             keys = [k async for k in r.scan_iter(QUEUE_STATE_PATTERN)]
             states = [json.loads(v) for v in await r.mget(keys) if v] if keys else []
-            n = sum(len(w["running"]) + len(w["waiting"]) for s in states for w in s.values())
+            n = sum(s["running"] + s["waiting"] for s in states)
             if until(n) or time.monotonic() > deadline:
                 return n
             await asyncio.sleep(0.1)

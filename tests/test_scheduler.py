@@ -338,3 +338,64 @@ def test_a_preempted_request_can_be_aborted_while_it_waits():
     for rid in "AB":
         assert run.requests[rid].output_token_ids == expected_output(run.requests[rid])
     assert run.pool.stats().used == 0
+
+
+# -- latency under load: aging, static batching, queue wait, admission by sequence length --------
+
+
+def test_an_aged_low_priority_request_is_admitted_before_newer_high_priority_ones():
+    # aging_s=10: a request gains a priority point per 10 s waited. "old" (priority 0, arrived at
+    # t=0) outranks "new" (priority 2, arrived at t=25) since 0 + 25/10 > 2, but not "newer"
+    # (priority 2, arrived at t=15): 2.5 - 1.5 ... 0 + 15/10 < 2.
+    run = Run(num_pages=64, page_size=2, max_num_seqs=1, aging_s=10.0)
+    run.add(make_request("newer", [1, 2], priority=2, arrival=15.0),
+            make_request("old", [3, 4], priority=0, arrival=0.0),
+            make_request("new", [5, 6], priority=2, arrival=25.0))
+    order = []
+    for plan in run.to_completion():
+        order += [n.seq_id for n in plan.new]
+    assert order == ["newer", "old", "new"]
+    assert_all_finished_in_full(run)
+
+
+def test_without_aging_priority_alone_orders_admission():
+    run = Run(num_pages=64, page_size=2, max_num_seqs=1, aging_s=0.0)
+    run.add(make_request("old", [3, 4], priority=0, arrival=0.0), make_request("new", [5, 6], priority=2, arrival=1e6))
+    order = [n.seq_id for plan in run.to_completion() for n in plan.new]
+    assert order == ["new", "old"]
+
+
+def test_static_batching_admits_the_next_batch_only_after_the_whole_batch_finishes():
+    run = Run(num_pages=64, page_size=2, max_num_seqs=2, batching="static")
+    run.add(make_request("short", [1, 2], max_new=1, arrival=0.0), make_request("long", [3, 4], max_new=6, arrival=1.0),
+            make_request("next", [5, 6], max_new=2, arrival=2.0))
+    plans = run.to_completion()
+    admitted_at = {n.seq_id: i for i, plan in enumerate(plans) for n in plan.new}
+    finished_long = max(i for i, plan in enumerate(plans) if "long" in run.scheduled(plan))
+    assert admitted_at["short"] == admitted_at["long"] == 0
+    assert admitted_at["next"] == finished_long + 1  # a free slot since "short" ended was left empty
+    assert_all_finished_in_full(run)
+
+
+def test_requests_waiting_too_long_are_ended_and_free_nothing_they_never_held():
+    run = Run(num_pages=64, page_size=2, max_num_seqs=1)
+    run.add(make_request("running", [1, 2], max_new=5, arrival=0.0), make_request("stuck", [3, 4], arrival=1.0))
+    run.step()
+    events = run.scheduler.expire_waiting(max_wait_s=30.0, now=40.0)
+    assert [(e.request.request_id, e.finish_reason) for e in events] == [("stuck", FinishReason.ERROR)]
+    assert "39.0 s in the queue" in events[0].message and "30 s" in events[0].message
+    assert run.scheduler.expire_waiting(max_wait_s=30.0, now=40.0) == []  # the running one is not touched
+    run.to_completion()
+    assert run.requests["running"].finish_reason is FinishReason.LENGTH and run.pool.stats().used == 0
+
+
+def test_a_flood_of_long_prompts_waits_for_room_instead_of_thrashing():
+    # 20 pages of 4 tokens; prompts of 30 tokens (8 pages each), a budget of 64 tokens a step.
+    # Admitting by the first chunk alone would start a third prompt with the budget's last 4
+    # tokens and preempt when it grows; admission by whole prompt starts two at a time.
+    run = Run(num_pages=20, page_size=4, max_batched_tokens=64)
+    run.add(*[make_request(f"r{i}", range(100 * i, 100 * i + 30), max_new=3, arrival=float(i)) for i in range(6)])
+    plans = run.to_completion()
+    assert max(len({c.seq_id for c in p.scheduled}) for p in plans) <= 2
+    assert run.scheduler.num_preemptions == 0
+    assert_all_finished_in_full(run)

@@ -85,6 +85,10 @@ class SchedulerServiceConfig:
     max_batched_tokens: int = dataclasses.field(default=1024, metadata=_help("tokens per step"))
     max_num_seqs: int = dataclasses.field(default=128, metadata=_help("running sequences per worker"))
     victim_policy: str = dataclasses.field(default="newest", metadata=_help("newest, priority or size"))
+    aging_s: float = dataclasses.field(default=10.0, metadata=_help("a waiting request gains one priority point per this many seconds (0: off)"))
+    batching: str = dataclasses.field(default="continuous", metadata=_help("continuous, or static (the baseline: a batch runs until its longest request ends)"))
+    max_queue_len: int = dataclasses.field(default=1024, metadata=_help("waiting requests at most; more get RESOURCE_EXHAUSTED"))
+    max_queue_wait_s: float = dataclasses.field(default=300.0, metadata=_help("a request not started after this long ends with an error (0: no limit)"))
     prefix_caching: bool = dataclasses.field(default=True, metadata=_help("share prompt prefixes"))
     worker_choice: str = dataclasses.field(default="kv", metadata=_help("kv (prefix overlap vs load) or round-robin"))
     prefill_weight: float = dataclasses.field(default=1.0, metadata=_help("kv choice: cost per prompt page to prefill"))
@@ -94,11 +98,17 @@ class SchedulerServiceConfig:
 
     def __post_init__(self):
         # The cores check their own settings; building them here reports a bad one at start (and under --check).
-        from kvmesh.services.scheduler.core import SchedulerConfig
         from kvmesh.services.scheduler.placement import PlacementConfig
 
-        SchedulerConfig(self.max_batched_tokens, self.max_num_seqs, self.victim_policy)
+        self.core_config()
+        if self.max_queue_len < 1 or self.max_queue_wait_s < 0:
+            raise ValueError(f"max_queue_len must be >= 1 and max_queue_wait_s >= 0, got {self.max_queue_len} and {self.max_queue_wait_s}")
         PlacementConfig(self.worker_choice, self.prefill_weight, self.load_weight, self.balance_ratio, self.balance_slack_pages)
+
+    def core_config(self):
+        from kvmesh.services.scheduler.core import SchedulerConfig
+
+        return SchedulerConfig(self.max_batched_tokens, self.max_num_seqs, self.victim_policy, self.aging_s, self.batching)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ def wait_scheduled(redis_url: str, workers: int, timeout_s: float) -> None:
         while time.monotonic() < deadline:
             keys = list(r.scan_iter(QUEUE_STATE_PATTERN))
             states = [json.loads(v) for v in r.mget(keys) if v] if keys else []
-            if sum(w["alive"] for state in states for w in state.values()) >= workers:
+            if sum(w["alive"] for state in states for w in state["workers"].values()) >= workers:
                 return
             time.sleep(0.2)
     finally:
@@ -138,10 +138,11 @@ def stop(children: list[Child], redis_proc: subprocess.Popen | None) -> None:
         redis_proc.wait(timeout=10)
 
 
-def up(model: str | None, workers: int, redis_url: str | None, port: int) -> int:
+def up(model: str | None, workers: int, redis_url: str | None, port: int, batching: str = "continuous") -> int:
     print("starting the kvmesh mesh (the first start generates the default model)...", flush=True)
     log_dir = tempfile.mkdtemp(prefix="kvmesh-up-")
-    children, redis_proc, redis_url = launch(model, workers, redis_url, port, log_dir=log_dir)
+    children, redis_proc, redis_url = launch(model, workers, redis_url, port, log_dir=log_dir,
+                                             extra_scheduler=["--batching", batching])
     print(f"redis      {redis_url}")
     for child in children:
         print(f"{child.name:<10} {child.address}")

@@ -129,8 +129,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                     yield out
                     return
                 yield out
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details() or "scheduler error")
+        except grpc.aio.AioRpcError as e:  # passed on as it came, retry hint included
+            await context.abort(e.code(), e.details() or "scheduler error", tuple(e.trailing_metadata() or ()))
         finally:
             call.cancel()  # no-op once finished; frees the request upstream when the client left
 

@@ -20,19 +20,29 @@ from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 VICTIM_POLICIES = ("newest", "priority", "size")
+BATCHING_MODES = ("continuous", "static")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """max_batched_tokens: tokens per step (decode tokens plus prefill chunks).
     max_num_seqs: running requests at most. victim_policy: which running request is preempted
-    when pages run out: newest admitted, lowest priority (then newest), or largest KV."""
+    when pages run out: newest admitted, lowest priority (then newest), or largest KV.
+    aging_s: a waiting request gains one priority point per aging_s seconds (0: no aging).
+    batching: continuous (admit every step) or static (admit a batch only when the last one
+    has finished entirely: the baseline continuous batching is measured against)."""
 
     max_batched_tokens: int = 1024
     max_num_seqs: int = 128
     victim_policy: str = "newest"
+    aging_s: float = 10.0
+    batching: str = "continuous"
 
     def __post_init__(self):
+        if self.aging_s < 0:
+            raise ValueError(f"aging_s must be >= 0 (0 disables aging), got {self.aging_s}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
         if self.max_batched_tokens < 1:
             raise ValueError(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -52,22 +62,25 @@ class TokenEvent:
     message: str = ""  # why, for an ERROR finish
 
 
-def _admission_key(r: Request):
-    return (-r.priority, r.arrival_time)
-
-
 class Scheduler:
     """Queues and batches the requests of one worker whose pages `pool` accounts for."""
 
     def __init__(self, pool: PagePool, config: SchedulerConfig | None = None):
         self.pool = pool
         self.config = config or SchedulerConfig()
-        self.waiting: list[Request] = []  # sorted by (-priority, arrival)
+        self.waiting: list[Request] = []  # sorted by _admission_key
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self._to_drop: list[str] = []  # worker-side state to forget at the next step
         self._watermark = max(1, pool.num_pages // 100)
         self.num_preemptions = 0
+
+    def _admission_key(self, r: Request):
+        # Every waiting request ages at the same rate, so priority + age / aging_s orders them the
+        # same at any moment as priority - arrival / aging_s: the order is fixed at insertion, and
+        # a request is overtaken by newcomers only for (their priority - its priority) * aging_s.
+        aged = r.priority - r.arrival_time / self.config.aging_s if self.config.aging_s else r.priority
+        return (-aged, r.arrival_time)
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -84,7 +97,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        bisect.insort(self.waiting, request, key=_admission_key)
+        bisect.insort(self.waiting, request, key=self._admission_key)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> TokenEvent | None:
         """Ends a request now and frees its pages; None if it is unknown or already finished."""
@@ -123,11 +136,35 @@ class Scheduler:
                 chunks[req.request_id] = chunk = ScheduledChunk(req.request_id, n, new_pages)
                 plan.scheduled.append(chunk)
                 budget -= n
-        if not preempted:
+        static_batch_running = self.config.batching == "static" and self.running
+        if not preempted and not static_batch_running:
             self._admit(plan, chunks, budget)
         return plan
 
+    def expire_waiting(self, max_wait_s: float, now: float | None = None) -> list[TokenEvent]:
+        """Ends requests that have waited longer than max_wait_s without ever being scheduled."""
+        now = time.monotonic() if now is None else now
+        expired = [r for r in self.waiting if r.first_scheduled_time is None and now - r.arrival_time > max_wait_s]
+        events = []
+        for req in expired:
+            event = self.abort(req.request_id, FinishReason.ERROR)
+            event.message = f"waited {now - req.arrival_time:.1f} s in the queue, over the limit of {max_wait_s:g} s"
+            events.append(event)
+        return events
+
+    def _outstanding_pages(self) -> int:
+        """Pages running requests still need to hold all the tokens they already know."""
+        need = 0
+        for r in self.running:
+            need += max(0, self.pool.pages_needed(r.num_tokens) - len(self.pool.page_table(r.request_id)))
+        return need
+
     def _admit(self, plan: StepPlan, chunks: dict[str, ScheduledChunk], budget: int) -> None:
+        """Admits waiting requests in order while the budget, max_num_seqs and pages allow. A
+        request is admitted only when pages for its whole known sequence (prompt, plus output
+        after a preemption) fit beside what running requests still need, though it is given
+        pages one chunk at a time; so a flood of long prompts waits instead of thrashing."""
+        outstanding = self._outstanding_pages()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             tokens = req.all_token_ids
@@ -136,9 +173,12 @@ class Scheduler:
             computed = len(prefix) * self.pool.page_size
             n = min(req.num_tokens - computed, budget)
             pages = self.pool.grow(req.request_id, computed + n)
-            if pages is None or self.pool.num_available < self._watermark and self.running:
+            later = self.pool.pages_needed(req.num_tokens) - len(self.pool.page_table(req.request_id))
+            spare = self.pool.num_available - outstanding - max(0, later)
+            if pages is None or (spare < self._watermark and self.running):
                 self.pool.release(req.request_id)
                 return
+            outstanding += max(0, later)
             self.waiting.pop(0)
             req.status = Status.RUNNING
             req.num_computed_tokens = computed
@@ -170,7 +210,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        bisect.insort(self.waiting, victim, key=_admission_key)
+        bisect.insort(self.waiting, victim, key=self._admission_key)
         plan.dropped.append(victim.request_id)
         chunk = chunks.pop(victim.request_id, None)
         if chunk is None:

@@ -26,7 +26,7 @@ from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve
 from kvmesh.services.kvcache.pages import prefix_hashes
 from kvmesh.services.kvcache.replica import RecordingPagePool
 from kvmesh.services.registry import Registry, queue_state_key
-from kvmesh.services.scheduler.core import Scheduler, SchedulerConfig, TokenEvent
+from kvmesh.services.scheduler.core import Scheduler, TokenEvent
 from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker
 from kvmesh.services.scheduler.request import FinishReason, Request
 from kvmesh.v1 import generation_pb2 as gen
@@ -50,7 +50,7 @@ class WorkerLoop:
         self.address = record["address"]
         self.info = info
         self.pool = RecordingPagePool(info.num_pages, info.page_size, cfg.prefix_caching)
-        self.core = Scheduler(self.pool, SchedulerConfig(cfg.max_batched_tokens, cfg.max_num_seqs, cfg.victim_policy))
+        self.core = Scheduler(self.pool, cfg.core_config())
         self.kvcache = kvcache
         self.streams: dict[str, asyncio.Queue] = {}
         self.queued_hashes: Counter[bytes] = Counter()  # prompt pages of this worker's requests
@@ -148,6 +148,9 @@ class WorkerLoop:
         t["wire_s"] += (t2 - t1) - forward_s
         t["update_s"] += time.perf_counter() - t2
 
+    def dispatch_expired(self, max_wait_s: float) -> None:
+        self._dispatch(self.core.expire_waiting(max_wait_s))
+
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:
             queue = self.streams.get(event.request.request_id)
@@ -207,7 +210,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         chosen = choose_worker(len(hashes), [w.view(hashes) for w in alive], self.placement)
         return self.workers[chosen.worker_id]
 
+    def waiting_count(self) -> int:
+        return sum(len(w.core.waiting) for w in self.workers.values() if w.alive)
+
+    def retry_hint_s(self) -> float:
+        """About how long the queue ahead takes to drain: queued tokens over recent step throughput."""
+        tokens = sum(w.estimated_tokens(r) for w in self.workers.values() for r in w.core.waiting)
+        steps = sum(w.timing["steps"] for w in self.workers.values())
+        busy = sum(w.timing["forward_s"] + w.timing["wire_s"] for w in self.workers.values())
+        per_step = busy / steps if steps else 0.1
+        return max(1.0, tokens / self.cfg.max_batched_tokens * per_step / max(1, len(self.workers)))
+
     async def Submit(self, request, context):
+        if (waiting := self.waiting_count()) >= self.cfg.max_queue_len:
+            hint = self.retry_hint_s()
+            context.set_trailing_metadata((("retry-after-ms", str(int(hint * 1000))),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"queue is full ({waiting} waiting, limit max_queue_len={self.cfg.max_queue_len}); "
+                                f"retry in about {hint:.0f} s")
         page_size = next((w.pool.page_size for w in self.workers.values()), 16)
         hashes = prefix_hashes(list(request.prompt_token_ids), page_size) if self.cfg.prefix_caching else []
         worker = self.pick_worker(hashes)
@@ -270,22 +290,31 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             log.info("scheduling on worker %s at %s", loop.worker_id, loop.address)
 
     async def publish_queue_state(self, scheduler_id: str) -> None:
-        """Per worker: the waiting requests with their estimated tokens (prompt still to compute plus
-        output still to come), the running ones, and step timing; for the router, metrics and
-        autoscaling. Written every half second, never from the batching loop."""
+        """Every half second, off the batching loop: ends requests waiting past max_queue_wait_s,
+        and writes the queue state to Redis: queue depth and estimated token queue for the pool
+        (the autoscaling signal), and per worker the waiting requests with their estimated
+        tokens (prompt still to compute plus output still to come), the running ones, and step timing."""
         key = queue_state_key(scheduler_id)
         while True:
-            state = {}
+            workers = {}
             for w in self.workers.values():
+                if self.cfg.max_queue_wait_s and w.alive:
+                    w.dispatch_expired(self.cfg.max_queue_wait_s)
                 waiting = [{"id": r.request_id, "priority": r.priority, "estimated_tokens": w.estimated_tokens(r)}
                            for r in w.core.waiting]
-                state[w.worker_id] = {
+                workers[w.worker_id] = {
                     "alive": w.alive,
                     "waiting": waiting,
                     "running": [r.request_id for r in w.core.running],
                     "estimated_tokens": sum(r["estimated_tokens"] for r in waiting),
                     "step_timing": w.timing,
                 }
+            state = {
+                "waiting": sum(len(w["waiting"]) for w in workers.values()),
+                "running": sum(len(w["running"]) for w in workers.values()),
+                "estimated_tokens": sum(w["estimated_tokens"] for w in workers.values()),
+                "workers": workers,
+            }
             try:
                 await self.registry.redis.set(key, json.dumps(state), px=3000)
             except Exception as e:

@@ -1,0 +1,141 @@
+"""Scheduling under load through the mesh: KV-budget admission, chunked prefill, priorities, limits."""
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from kvmesh.v1 import generation_pb2 as gen
+from kvmesh.v1 import generation_pb2_grpc
+from test_mesh import Mesh, collect, model_dir, queue_state, wait_idle  # noqa: F401  (fixture)
+
+
+def ids_request(ids, n, priority=0):
+    return gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=ids), sampling=gen.SamplingParams(temperature=0.0),
+                               stopping=gen.StoppingParams(max_new_tokens=n, ignore_eos=True), priority=priority)
+
+
+def random_ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def test_a_flood_of_near_maximum_context_requests_all_finish_and_return_every_page(model_dir):  # noqa: F811
+    # 1 MiB of KV per worker holds 2,048 tokens: one of these 1,900-token requests at a time.
+    mesh = Mesh(model_dir, extra_worker=["--kv-memory-mib", "1"])
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(mesh.addr) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                results = await asyncio.gather(*(collect(stub, ids_request(random_ids(1880, seed=i), 20), timeout=300)
+                                                 for i in range(8)))
+                return results, await wait_idle(mesh.kvcache_addr)
+
+        results, idle = asyncio.run(run())
+        assert all(f.reason == gen.LENGTH and len(t) == 20 for t, _, _, f in results)
+        assert all(w.used_pages == 0 and w.free_pages + w.cached_pages == w.total_pages for w in idle)
+    finally:
+        mesh.close()
+
+
+def test_running_streams_keep_producing_while_a_long_prompt_is_prefilled_in_chunks(model_dir):  # noqa: F811
+    mesh = Mesh(model_dir, workers=1, extra_scheduler=["--max-batched-tokens", "64"])
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(mesh.addr) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                counts = [0] * 4
+                long_sent = asyncio.Event()
+                seen_at_long_first_token = []
+
+                async def short(i):
+                    async for response in stub.Generate(ids_request(random_ids(12, seed=100 + i), 400), timeout=120):
+                        counts[i] += len(response.tokens)
+                        if counts[i] == 20 and i == 0:
+                            long_sent.set()
+
+                async def long():
+                    await long_sent.wait()
+                    before = list(counts)
+                    async for response in stub.Generate(ids_request(random_ids(1900, seed=7), 4), timeout=120):
+                        if response.tokens and not seen_at_long_first_token:
+                            seen_at_long_first_token.append([c - b for c, b in zip(counts, before)])
+
+                await asyncio.gather(*(short(i) for i in range(4)), long())
+                return seen_at_long_first_token[0]
+
+        progress = asyncio.run(run())
+        # 1,900 prompt tokens in chunks of at most 60 (64 minus the 4 decodes) take 32 steps or more,
+        # and every one of those steps also decodes a token for each running stream.
+        assert min(progress) >= 25, progress
+    finally:
+        mesh.close()
+
+
+@pytest.fixture(scope="module")
+def one_slot_mesh(model_dir):  # noqa: F811
+    # One running request at a time, no aging, at most 3 waiting, 2.5 s at most in the queue.
+    m = Mesh(model_dir, workers=1, extra_scheduler=["--max-num-seqs", "1", "--aging-s", "0",
+                                                    "--max-queue-len", "3", "--max-queue-wait-s", "2.5"])
+    yield m
+    m.close()
+
+
+def test_higher_priority_is_admitted_first(one_slot_mesh):
+    async def run():
+        async with grpc.aio.insecure_channel(one_slot_mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            order = []
+
+            async def tracked(name, request):
+                result = await collect(stub, request)
+                order.append(name)
+                return result
+
+            blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=1), 1900)))
+            await queue_state(one_slot_mesh.redis_url, lambda n: n == 1)
+            low = asyncio.create_task(tracked("low", ids_request(random_ids(8, seed=2), 5, priority=0)))
+            await queue_state(one_slot_mesh.redis_url, lambda n: n == 2)
+            high = asyncio.create_task(tracked("high", ids_request(random_ids(8, seed=3), 5, priority=5)))
+            await queue_state(one_slot_mesh.redis_url, lambda n: n == 3)  # both wait behind the blocker
+            blocker.cancel()
+            await asyncio.gather(low, high)
+            return order
+
+    assert asyncio.run(run()) == ["high", "low"]
+
+
+def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint(one_slot_mesh):
+    async def run():
+        async with grpc.aio.insecure_channel(one_slot_mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=4), 1900)))
+            await queue_state(one_slot_mesh.redis_url, lambda n: n == 1)
+            queued = [asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=5 + i), 3))) for i in range(3)]
+            await queue_state(one_slot_mesh.redis_url, lambda n: n == 4)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, ids_request(random_ids(8, seed=9), 3))
+            blocker.cancel()
+            return err.value, await asyncio.gather(*queued)
+
+    error, results = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_queue_len=3" in error.details() and "retry in about" in error.details()
+    assert int(dict(error.trailing_metadata())["retry-after-ms"]) >= 1000
+    assert all(f.reason == gen.LENGTH for *_, f in results)  # the queued ones were not harmed
+
+
+def test_a_request_waiting_past_the_queue_limit_ends_with_an_error_and_holds_nothing(one_slot_mesh):
+    async def run():
+        async with grpc.aio.insecure_channel(one_slot_mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=10), 1900)))
+            await queue_state(one_slot_mesh.redis_url, lambda n: n == 1)
+            stuck = await collect(stub, ids_request(random_ids(8, seed=11), 3))
+            blocker.cancel()
+            return stuck, await wait_idle(one_slot_mesh.kvcache_addr)
+
+    (tokens, _, _, finish), idle = asyncio.run(run())
+    assert tokens == [] and finish.reason == gen.ERROR and "in the queue" in finish.message
+    assert all(w.used_pages == 0 for w in idle)
