@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import sys
@@ -375,9 +376,7 @@ def bench_once(cfg: BenchConfig, index: int, rate: float, progress: bool) -> dic
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.sweep_rates:
-        try:  # checked before the runs, not after them
-            import matplotlib  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("matplotlib") is None:  # checked before the runs, not after them
             print("kvmesh bench: --sweep-rates draws its plot with matplotlib: pip install 'kvmesh[bench]'", file=sys.stderr)
             return 2
     reports = []

@@ -8,6 +8,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Generated default models go to a per-run cache, never the user's.
 os.environ.setdefault("KVMESH_CACHE", str(Path(__file__).parent.parent / ".pytest_cache" / "kvmesh"))
 
+from kvmesh.modelgen import SIZES, make_model  # noqa: E402
 from reference import save_hf_checkpoint  # noqa: E402
 
 
@@ -23,3 +24,9 @@ def hf_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny llama with a real tokenizer, for the tests that run the mesh."""
+    return make_model(tmp_path_factory.mktemp("mesh-model"), "llama", **SIZES["tiny"])

@@ -17,11 +17,11 @@ from kvmesh.services.registry import service_key
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from reference import assert_matches_reference, hf_greedy
-from test_mesh import Mesh, collect, model_dir, wait_idle  # noqa: F401  (fixture)
+from local_mesh import Mesh, collect, wait_idle
 
 
 @pytest.fixture(scope="module")
-def mesh(model_dir):  # noqa: F811
+def mesh(model_dir):
     m = Mesh(model_dir)
     yield m
     m.close()
@@ -46,7 +46,7 @@ def generate_all(addr, requests):
     return asyncio.run(run())
 
 
-def test_second_request_reuses_a_256_token_prefix_with_the_same_tokens(mesh, model_dir):  # noqa: F811
+def test_second_request_reuses_a_256_token_prefix_with_the_same_tokens(mesh, model_dir):
     prefix = random_ids(256, seed=1)
     first, second = prefix + random_ids(9, seed=2), prefix + random_ids(7, seed=3)
     [(_, _, _, f1)] = generate_all(mesh.addr, [ids_request(first, 10)])
@@ -105,7 +105,7 @@ def test_prefix_mirror_counts_only_live_epochs(mesh):
     assert live == {"ghost-worker": 4} and stale == {"ghost-worker": 0} and shrunk == {"ghost-worker": 2}
 
 
-def test_restarted_worker_stale_prefix_entries_are_purged_and_unused(model_dir):  # noqa: F811
+def test_restarted_worker_stale_prefix_entries_are_purged_and_unused(model_dir):
     mesh = Mesh(model_dir)
     r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
     try:
@@ -140,7 +140,7 @@ def test_restarted_worker_stale_prefix_entries_are_purged_and_unused(model_dir):
         mesh.close()
 
 
-def test_preempted_streams_continue_without_gap_or_repeat(model_dir):  # noqa: F811
+def test_preempted_streams_continue_without_gap_or_repeat(model_dir):
     # 1 MiB of KV per worker: 128 pages, 2,048 tokens; eight 550-token requests over two workers overflow it.
     mesh = Mesh(model_dir, extra_worker=["--kv-memory-mib", "1"])
     try:

@@ -8,36 +8,11 @@ import time
 import grpc
 import pytest
 
-from kvmesh.modelgen import SIZES, make_model
-from kvmesh.services.launcher import launch, stop
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
-from kvmesh.v1 import generation_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
+from kvmesh.v1 import generation_pb2_grpc
+from local_mesh import Mesh, collect, page_stats, queue_state, wait_idle
 from reference import assert_matches_reference, hf_greedy
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # A tiny llama with a real tokenizer; kv memory small enough that 50 streams contend for pages.
-    return make_model(tmp_path_factory.mktemp("mesh-model"), "llama", **SIZES["tiny"])
-
-
-class Mesh:
-    def __init__(self, model_dir, workers=2, extra_worker=(), extra_scheduler=()):
-        from kvmesh.services.launcher import free_port
-
-        self.port = free_port()
-        self.children, self.redis, self.redis_url = launch(str(model_dir), workers, None, self.port,
-                                                           extra_worker=["--kv-memory-mib", "4", *extra_worker],
-                                                           extra_scheduler=list(extra_scheduler))
-        self.addr = f"127.0.0.1:{self.port}"
-        self.kvcache_addr = next(c.address for c in self.children if c.name == "kvcache")
-
-    def child(self, name):
-        return next(c for c in self.children if c.name == name)
-
-    def close(self):
-        stop(self.children, self.redis)
 
 
 @pytest.fixture(scope="module")
@@ -50,56 +25,6 @@ def mesh(model_dir):
 def greedy(prompt, n, **stopping):
     return gen.GenerateRequest(prompt=prompt, sampling=gen.SamplingParams(temperature=0.0),
                                stopping=gen.StoppingParams(max_new_tokens=n, ignore_eos=True, **stopping))
-
-
-async def collect(stub, request, timeout=60):
-    tokens, logprobs, texts, finish = [], [], [], None
-    async for response in stub.Generate(request, timeout=timeout):
-        for t in response.tokens:
-            tokens.append(t.id)
-            logprobs.append(t.logprob)
-            texts.append(t.text)
-        if response.HasField("finish"):
-            assert finish is None, "two finish messages"
-            finish = response.finish
-    return tokens, logprobs, "".join(texts), finish
-
-
-async def page_stats(addr):
-    async with grpc.aio.insecure_channel(addr) as ch:
-        return (await kvcache_pb2_grpc.KVCacheStub(ch).Stats(kvcache_pb2.StatsRequest())).workers
-
-
-async def queue_state(redis_url, until, timeout=10):
-    """Requests (running plus waiting) in the schedulers' Redis queue state, once `until(n)` holds."""
-    import json
-
-    import redis.asyncio as aioredis
-
-    from kvmesh.services.registry import QUEUE_STATE_PATTERN
-
-    r = aioredis.from_url(redis_url, decode_responses=True)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            keys = [k async for k in r.scan_iter(QUEUE_STATE_PATTERN)]
-            states = [json.loads(v) for v in await r.mget(keys) if v] if keys else []
-            n = sum(s["running"] + s["waiting"] for s in states)
-            if until(n) or time.monotonic() > deadline:
-                return n
-            await asyncio.sleep(0.1)
-    finally:
-        await r.aclose()
-
-
-async def wait_idle(addr, timeout=10):
-    """Waits until no worker has pages in use; returns the last stats."""
-    deadline = time.monotonic() + timeout
-    while True:
-        workers = await page_stats(addr)
-        if all(w.used_pages == 0 for w in workers) or time.monotonic() > deadline:
-            return workers
-        await asyncio.sleep(0.1)
 
 
 def test_32_concurrent_greedy_streams_match_transformers(mesh, model_dir):

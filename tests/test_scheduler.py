@@ -399,3 +399,14 @@ def test_a_flood_of_long_prompts_waits_for_room_instead_of_thrashing():
     assert max(len({c.seq_id for c in p.scheduled}) for p in plans) <= 2
     assert run.scheduler.num_preemptions == 0
     assert_all_finished_in_full(run)
+
+
+def test_a_prefill_chunk_cap_lets_a_short_request_start_beside_a_long_prompt():
+    run = Run(num_pages=256, page_size=4, max_batched_tokens=16, max_prefill_chunk=8)
+    run.add(make_request("long", range(200, 260), max_new=2, arrival=0.0))
+    run.step()
+    run.add(make_request("short", [1, 2, 3], max_new=2, arrival=1.0))
+    plan, _ = run.step()
+    assert run.scheduled(plan) == {"long": 8, "short": 3}  # without the cap, "long" would take all 16
+    run.to_completion()
+    assert_all_finished_in_full(run)

@@ -8,7 +8,7 @@ import pytest
 
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from test_mesh import Mesh, collect, model_dir, queue_state, wait_idle  # noqa: F401  (fixture)
+from local_mesh import Mesh, collect, queue_state, wait_idle
 
 
 def ids_request(ids, n, priority=0):
@@ -21,7 +21,7 @@ def random_ids(n, seed):
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
-def test_a_flood_of_near_maximum_context_requests_all_finish_and_return_every_page(model_dir):  # noqa: F811
+def test_a_flood_of_near_maximum_context_requests_all_finish_and_return_every_page(model_dir):
     # 1 MiB of KV per worker holds 2,048 tokens: one of these 1,900-token requests at a time.
     mesh = Mesh(model_dir, extra_worker=["--kv-memory-mib", "1"])
     try:
@@ -39,7 +39,7 @@ def test_a_flood_of_near_maximum_context_requests_all_finish_and_return_every_pa
         mesh.close()
 
 
-def test_running_streams_keep_producing_while_a_long_prompt_is_prefilled_in_chunks(model_dir):  # noqa: F811
+def test_running_streams_keep_producing_while_a_long_prompt_is_prefilled_in_chunks(model_dir):
     mesh = Mesh(model_dir, workers=1, extra_scheduler=["--max-batched-tokens", "64"])
     try:
         async def run():
@@ -74,7 +74,7 @@ def test_running_streams_keep_producing_while_a_long_prompt_is_prefilled_in_chun
 
 
 @pytest.fixture(scope="module")
-def one_slot_mesh(model_dir):  # noqa: F811
+def one_slot_mesh(model_dir):
     # One running request at a time, no aging, at most 3 waiting, 2.5 s at most in the queue.
     m = Mesh(model_dir, workers=1, extra_scheduler=["--max-num-seqs", "1", "--aging-s", "0",
                                                     "--max-queue-len", "3", "--max-queue-wait-s", "2.5"])

@@ -85,6 +85,7 @@ class SchedulerServiceConfig:
     max_batched_tokens: int = dataclasses.field(default=1024, metadata=_help("tokens per step"))
     max_num_seqs: int = dataclasses.field(default=128, metadata=_help("running sequences per worker"))
     victim_policy: str = dataclasses.field(default="newest", metadata=_help("newest, priority or size"))
+    max_prefill_chunk: int = dataclasses.field(default=512, metadata=_help("prefill tokens one request may take per step (0: the whole budget); leaves room for short requests beside a long prompt"))
     aging_s: float = dataclasses.field(default=10.0, metadata=_help("a waiting request gains one priority point per this many seconds (0: off)"))
     batching: str = dataclasses.field(default="continuous", metadata=_help("continuous, or static (the baseline: a batch runs until its longest request ends)"))
     max_queue_len: int = dataclasses.field(default=1024, metadata=_help("waiting requests at most; more get RESOURCE_EXHAUSTED"))
@@ -108,7 +109,8 @@ class SchedulerServiceConfig:
     def core_config(self):
         from kvmesh.services.scheduler.core import SchedulerConfig
 
-        return SchedulerConfig(self.max_batched_tokens, self.max_num_seqs, self.victim_policy, self.aging_s, self.batching)
+        return SchedulerConfig(self.max_batched_tokens, self.max_num_seqs, self.victim_policy, self.aging_s, self.batching,
+                               self.max_prefill_chunk)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class SchedulerConfig:
     max_num_seqs: running requests at most. victim_policy: which running request is preempted
     when pages run out: newest admitted, lowest priority (then newest), or largest KV.
     aging_s: a waiting request gains one priority point per aging_s seconds (0: no aging).
+    max_prefill_chunk: caps one request's prefill tokens per step, so a long prompt leaves budget
+    for short requests to start beside it instead of blocking them until it is done.
     batching: continuous (admit every step) or static (admit a batch only when the last one
     has finished entirely: the baseline continuous batching is measured against)."""
 
@@ -37,8 +39,11 @@ class SchedulerConfig:
     victim_policy: str = "newest"
     aging_s: float = 10.0
     batching: str = "continuous"
+    max_prefill_chunk: int = 0  # prefill tokens one request may take in a step (0: the whole budget)
 
     def __post_init__(self):
+        if self.max_prefill_chunk < 0:
+            raise ValueError(f"max_prefill_chunk must be >= 0 (0: no cap), got {self.max_prefill_chunk}")
         if self.aging_s < 0:
             raise ValueError(f"aging_s must be >= 0 (0 disables aging), got {self.aging_s}")
         if self.batching not in BATCHING_MODES:
@@ -73,6 +78,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._to_drop: list[str] = []  # worker-side state to forget at the next step
         self._watermark = max(1, pool.num_pages // 100)
+        self._chunk_cap = self.config.max_prefill_chunk or self.config.max_batched_tokens
         self.num_preemptions = 0
 
     def _admission_key(self, r: Request):
@@ -125,7 +131,7 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
             while (new_pages := self.pool.grow(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self._pick_victim()
                 budget += self._preempt(victim, plan, chunks)
@@ -171,7 +177,7 @@ class Scheduler:
             prefix = self.pool.match_prefix(tokens)
             self.pool.open(req.request_id, prefix)
             computed = len(prefix) * self.pool.page_size
-            n = min(req.num_tokens - computed, budget)
+            n = min(req.num_tokens - computed, budget, self._chunk_cap)
             pages = self.pool.grow(req.request_id, computed + n)
             later = self.pool.pages_needed(req.num_tokens) - len(self.pool.page_table(req.request_id))
             spare = self.pool.num_available - outstanding - max(0, later)

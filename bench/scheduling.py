@@ -1,0 +1,112 @@
+"""Scheduler benchmarks on a fresh one-worker mesh per configuration, measured with `kvmesh bench`.
+
+    cd bench && ../.venv/bin/python scheduling.py batching [random|sharegpt-like [MAX_NUM_SEQS [NUM_REQUESTS]]]
+    cd bench && ../.venv/bin/python scheduling.py head-of-line   # short requests' TTFT while long prompts arrive
+    cd bench && ../.venv/bin/python scheduling.py sweep          # latency against throughput across request rates
+
+`batching`: 32 requests at once, inputs 16..512, outputs 16..512 (uniform, or log-normal as
+in ShareGPT), at most 8 running, the same mesh with --batching continuous and static. `head-of-line`: short requests (inputs 16..64,
+outputs 32, 2 per second) beside long prompts (1,800..2,000 tokens, one per 5 seconds), with
+chunked prefill (256 tokens per step, at most 128 for one request) and without (4,096: a whole
+long prompt in one step).
+`sweep`: the sharegpt-like workload at several rates; writes docs/latency_throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+
+
+def bench_args(addr: str, *flags: str) -> argparse.Namespace:
+    from kvmesh import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    return parser.parse_args(["bench", "--addr", addr, "--no-progress", "--vocab-size", "32000", *flags])
+
+
+def run_bench(addr: str, *flags: str) -> dict:
+    from kvmesh import bench
+
+    args = bench_args(addr, *flags)
+    cfg = bench.config_from_args(args)
+    return bench.bench_once(cfg, 0, cfg.request_rates[0], progress=False)
+
+
+def with_mesh(scheduler_flags: list[str], body):
+    from kvmesh.modelgen import bench_model_dir
+    from kvmesh.services.launcher import free_port, launch, stop
+
+    port = free_port()
+    children, redis_proc, _ = launch(str(bench_model_dir()), 1, None, port,
+                                     extra_worker=["--kv-memory-mib", "2048"], extra_scheduler=scheduler_flags)
+    try:
+        return body(f"127.0.0.1:{port}")
+    finally:
+        stop(children, redis_proc)
+
+
+def line(name: str, r: dict) -> str:
+    t, e = r["ttft_ms"], r["e2e_ms"]
+    return (f"{name:<28} {r['completed']:>3} done {r['failed']:>2} failed  output {r['output_throughput']:7.1f} tok/s  "
+            f"TTFT p50 {t['p50']:8.0f} p99 {t['p99']:8.0f} ms  E2E p50 {e['p50']:8.0f} ms")
+
+
+def batching(workload: str = "random", max_num_seqs: str = "8", num_requests: str = "32") -> None:
+    flags = ["--workload", workload, "--num-requests", num_requests, "--input-len", "16:512", "--output-len", "16:512",
+             "--seed", "1"]
+    results = {}
+    for mode in ("continuous", "static"):
+        results[mode] = with_mesh(["--batching", mode, "--max-num-seqs", max_num_seqs],
+                                  lambda addr: run_bench(addr, *flags))
+        print(line(f"{mode} batching", results[mode]), flush=True)
+    ratio = results["continuous"]["output_throughput"] / results["static"]["output_throughput"]
+    print(f"continuous / static output tok/s: {ratio:.2f}x")
+
+
+def head_of_line() -> None:
+    configs = (("chunked prefill (256, 128 each)", ["--max-batched-tokens", "256", "--max-prefill-chunk", "128"]),
+               ("no chunking (4096)", ["--max-batched-tokens", "4096", "--max-prefill-chunk", "0"]))
+    for name, scheduler_flags in configs:
+        def body(addr):
+            out = {}
+            longs = threading.Thread(target=lambda: out.setdefault("long", run_bench(
+                addr, "--num-requests", "6", "--input-len", "1800:2000", "--output-len", "16:16", "--request-rate", "0.2",
+                "--seed", "2")))
+            longs.start()
+            out["short"] = run_bench(addr, "--num-requests", "60", "--input-len", "16:64", "--output-len", "32:32",
+                                     "--request-rate", "2", "--seed", "3")
+            longs.join()
+            return out
+
+        out = with_mesh(scheduler_flags, body)
+        print(line(f"short, {name}", out["short"]), flush=True)
+        print(line(f"long, {name}", out["long"]), flush=True)
+
+
+def sweep() -> None:
+    from kvmesh import bench
+
+    plot = Path(__file__).resolve().parent.parent / "docs" / "latency_throughput.png"
+
+    def body(addr):
+        args = bench_args(addr, "--workload", "sharegpt-like", "--num-requests", "40", "--input-len", "16:512",
+                          "--output-len", "16:256", "--sweep-rates", "0.5,1,2,4,inf", "--plot", str(plot))
+        return bench.run(args)
+
+    with_mesh([], body)
+
+
+def main() -> None:
+    which = sys.argv[1] if len(sys.argv) > 1 else ""
+    runs = {"batching": batching, "head-of-line": head_of_line, "sweep": sweep}
+    if which not in runs:
+        sys.exit(f"usage: scheduling.py {{{'|'.join(runs)}}}; batching takes [WORKLOAD [MAX_NUM_SEQS [NUM_REQUESTS]]]")
+    runs[which](*sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

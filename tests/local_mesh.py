@@ -1,0 +1,75 @@
+"""A local mesh for tests (real processes, real redis-server, loopback gRPC) and small clients for it."""
+
+import asyncio
+import json
+import time
+
+import grpc
+
+from kvmesh.services.launcher import free_port, launch, stop
+from kvmesh.services.registry import QUEUE_STATE_PATTERN
+from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
+
+
+class Mesh:
+    """What `kvmesh up` starts (with its own redis-server), with 4 MiB of KV per worker unless overridden."""
+
+    def __init__(self, model_dir, workers=2, extra_worker=(), extra_scheduler=()):
+        self.port = free_port()
+        self.children, self.redis, self.redis_url = launch(str(model_dir), workers, None, self.port,
+                                                           extra_worker=["--kv-memory-mib", "4", *extra_worker],
+                                                           extra_scheduler=list(extra_scheduler))
+        self.addr = f"127.0.0.1:{self.port}"
+        self.kvcache_addr = next(c.address for c in self.children if c.name == "kvcache")
+
+    def child(self, name):
+        return next(c for c in self.children if c.name == name)
+
+    def close(self):
+        stop(self.children, self.redis)
+
+
+async def collect(stub, request, timeout=60):
+    tokens, logprobs, texts, finish = [], [], [], None
+    async for response in stub.Generate(request, timeout=timeout):
+        for t in response.tokens:
+            tokens.append(t.id)
+            logprobs.append(t.logprob)
+            texts.append(t.text)
+        if response.HasField("finish"):
+            assert finish is None, "two finish messages"
+            finish = response.finish
+    return tokens, logprobs, "".join(texts), finish
+
+
+async def page_stats(addr):
+    async with grpc.aio.insecure_channel(addr) as ch:
+        return (await kvcache_pb2_grpc.KVCacheStub(ch).Stats(kvcache_pb2.StatsRequest())).workers
+
+
+async def queue_state(redis_url, until, timeout=10):
+    """Requests (running plus waiting) in the schedulers' Redis queue state, once `until(n)` holds."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.from_url(redis_url, decode_responses=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            keys = [k async for k in r.scan_iter(QUEUE_STATE_PATTERN)]
+            states = [json.loads(v) for v in await r.mget(keys) if v] if keys else []
+            n = sum(s["running"] + s["waiting"] for s in states)
+            if until(n) or time.monotonic() > deadline:
+                return n
+            await asyncio.sleep(0.1)
+    finally:
+        await r.aclose()
+
+
+async def wait_idle(addr, timeout=10):
+    """Waits until no worker has pages in use; returns the last stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = await page_stats(addr)
+        if all(w.used_pages == 0 for w in workers) or time.monotonic() > deadline:
+            return workers
+        await asyncio.sleep(0.1)
