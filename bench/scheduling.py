@@ -15,6 +15,7 @@ long prompt in one step).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 from pathlib import Path
@@ -57,7 +58,7 @@ def line(name: str, r: dict) -> str:
 
 def batching(workload: str = "random", max_num_seqs: str = "8", num_requests: str = "32") -> None:
     flags = ["--workload", workload, "--num-requests", num_requests, "--input-len", "16:512", "--output-len", "16:512",
-             "--seed", "1"]
+             "--seed", os.environ.get("BENCH_SEED", "1")]
     results = {}
     for mode in ("continuous", "static"):
         results[mode] = with_mesh(["--batching", mode, "--max-num-seqs", max_num_seqs],

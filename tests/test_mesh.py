@@ -215,3 +215,25 @@ def test_generate_command_streams_text_and_reports_usage(mesh, model_dir):
     ref = hf_greedy(model_dir, tok.encode("river stone"), 6)
     assert proc.stdout.strip() == tok.decode(ref.token_ids).strip()
     assert "completion 6 tokens" in proc.stderr and "first token" in proc.stderr
+
+
+def test_a_request_id_already_in_use_is_rejected_and_the_first_stream_is_unharmed(mesh):
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            first = greedy("the first of two", 600)
+            first.request_id = "same-id"
+            call = stub.Generate(first, timeout=60)
+            tokens = list((await call.read()).tokens)  # it is running
+            second = greedy("the second of two", 4)
+            second.request_id = "same-id"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, second)
+            while (response := await call.read()) is not grpc.aio.EOF:
+                tokens += response.tokens
+                finish = response.finish if response.HasField("finish") else None
+            return err.value, tokens, finish
+
+    error, tokens, finish = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "same-id" in error.details()
+    assert finish.reason == gen.LENGTH and len(tokens) == 600

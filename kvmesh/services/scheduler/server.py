@@ -79,11 +79,12 @@ class WorkerLoop:
         return (r.num_tokens - computed) + (r.stopping.max_new_tokens - len(r.output_token_ids))
 
     def submit(self, req: Request, hashes: list[bytes], expected_hit_pages: int) -> asyncio.Queue:
+        """Queues the request (ValueError or InvalidRequest, changing nothing, if it cannot be)."""
         self.core.check_fits(req)
+        self.core.add(req)  # first: it rejects a request_id in use before any state is touched
         self.expected_hits[req.request_id] = expected_hit_pages * self.pool.page_size
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[req.request_id] = queue
-        self.core.add(req)
         self.queued_hashes.update(hashes)
         self.wake.set()
         return queue
@@ -197,6 +198,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                          cfg.balance_ratio, cfg.balance_slack_pages)
         self._round_robin = itertools.count()
         self._kvcache_stub = None
+        self.active_ids: set[str] = set()  # request ids with a live stream, across all workers
 
     def kvcache(self):
         return self._kvcache_stub
@@ -246,10 +248,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             eos_token_ids=tuple(worker.info.eos_token_ids),
             priority=request.priority,
         )
+        if req.request_id in self.active_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {req.request_id!r} is already in use")
         try:
             queue = worker.submit(req, hashes, worker.view(hashes).prefix_pages)
         except (InvalidRequest, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.active_ids.add(req.request_id)
         finished = False
         try:
             while not finished:
@@ -257,6 +262,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 finished = event.finish_reason is not None
                 yield _event_to_proto(event, worker.worker_id)
         finally:
+            self.active_ids.discard(req.request_id)
             worker.done(req.request_id, hashes, finished)  # cancels it if the client left or timed out
 
     async def discover(self) -> None:
