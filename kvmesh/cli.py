@@ -107,7 +107,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from kvmesh.services.launcher import up
 
-    return up(str(args.model) if args.model else None, args.workers, args.redis_url, args.port, args.batching)
+    return up(str(args.model) if args.model else None, args.workers, args.redis_url, args.port, args.batching, args.http_port)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the gRPC health check at the address answers SERVING (for container health checks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.addr) as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                               timeout=args.timeout).status
+        except grpc.RpcError as e:
+            print(f"{args.addr}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(f"{args.addr}: {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -173,9 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
     p.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    p.add_argument("--http-port", type=int, default=8000, help="router HTTP port (OpenAI-compatible API, /metrics)")
     p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
                    help="scheduler batching mode (static: the baseline, a batch runs until its longest request ends)")
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
+    p.add_argument("addr", help="host:port of any kvmesh service")
+    p.add_argument("--service", default="", help="a service name (default: the whole server)")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("generate", help="stream a completion from a running mesh")
     p.add_argument("prompt")

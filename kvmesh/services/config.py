@@ -77,11 +77,13 @@ class WorkerConfig:
     kv_memory_mib: int = dataclasses.field(default=1024, metadata=_help("KV cache memory"))
     page_size: int = dataclasses.field(default=16, metadata=_help("tokens per KV page"))
     threads: int = dataclasses.field(default=0, metadata=_help("torch threads (0: one per core)"))
+    metrics_port: int = dataclasses.field(default=9104, metadata=_help("Prometheus /metrics HTTP port (0: pick a free one; -1: off)"))
 
 
 @dataclass(frozen=True)
 class SchedulerServiceConfig:
     port: int = dataclasses.field(default=50052, metadata=_help("gRPC port (0: pick a free one)"))
+    metrics_port: int = dataclasses.field(default=9102, metadata=_help("Prometheus /metrics HTTP port (0: pick a free one; -1: off)"))
     max_batched_tokens: int = dataclasses.field(default=1024, metadata=_help("tokens per step"))
     max_num_seqs: int = dataclasses.field(default=128, metadata=_help("running sequences per worker"))
     victim_policy: str = dataclasses.field(default="newest", metadata=_help("newest, priority or size"))
@@ -116,6 +118,7 @@ class SchedulerServiceConfig:
 @dataclass(frozen=True)
 class KVCacheServiceConfig:
     port: int = dataclasses.field(default=50053, metadata=_help("gRPC port (0: pick a free one)"))
+    metrics_port: int = dataclasses.field(default=9103, metadata=_help("Prometheus /metrics HTTP port (0: pick a free one; -1: off)"))
 
 
 @dataclass(frozen=True)
@@ -123,3 +126,8 @@ class RouterConfig:
     port: int = dataclasses.field(default=50051, metadata=_help("gRPC port (0: pick a free one)"))
     model: str = dataclasses.field(default="", metadata=_help("checkpoint folder whose tokenizer the router uses (default model if empty)"))
     model_name: str = dataclasses.field(default="default", metadata=_help("the name clients use in GenerateRequest.model"))
+    http_port: int = dataclasses.field(default=8000, metadata=_help("HTTP port: OpenAI-compatible API, /health, /ready, /metrics (0: pick a free one; -1: off)"))
+    api_keys: str = dataclasses.field(default="", metadata=_help("comma-separated API keys; when set, callers must send `authorization: Bearer KEY` (HTTP header or gRPC metadata)"))
+
+    def api_key_set(self) -> frozenset[str]:
+        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())

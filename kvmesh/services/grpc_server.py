@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.telemetry import shutdown_tracing
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -61,9 +63,10 @@ def advertised_address(common, port: int) -> str:
 
 
 async def serve_until_stopped(server: ServiceServer, registry, kind: str, instance_id: str, record: dict,
-                              *, tasks: tuple = (), serving: bool = True) -> None:
+                              *, tasks: tuple = (), serving: bool = True, cleanups: tuple = ()) -> None:
     """Registers the service's lease, turns SERVING (unless the service decides readiness itself),
-    runs until SIGINT or SIGTERM, then stops background tasks, the lease and the server."""
+    runs until SIGINT or SIGTERM, then stops background tasks, the lease, the server, runs the
+    `cleanups` (async callables) and flushes queued spans."""
     await registry.register(kind, instance_id, {"pid": os.getpid(), **record})
     if serving:
         await server.set_serving(True)
@@ -74,5 +77,8 @@ async def serve_until_stopped(server: ServiceServer, registry, kind: str, instan
         await registry.deregister(kind, instance_id)
         await registry.close()
         await server.stop()
+        for cleanup in cleanups:
+            await cleanup()
+        shutdown_tracing()
 
     await wait_for_termination(stop)

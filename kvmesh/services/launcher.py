@@ -29,8 +29,9 @@ def free_port() -> int:
 @dataclass
 class Child:
     name: str
-    address: str
+    address: str  # gRPC
     process: subprocess.Popen
+    http: str  # /metrics (and, on the router, the HTTP API)
 
 
 def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
@@ -95,8 +96,10 @@ def serve_command(service: str, redis_url: str, port: int, *extra: str) -> list[
 
 
 def launch(model: str | None, workers: int, redis_url: str | None, port: int, extra_worker: list[str] = (),
-           extra_scheduler: list[str] = (), log_dir: str | None = None) -> tuple[list[Child], subprocess.Popen | None, str]:
-    """Starts the mesh and waits until it is ready; returns the children, redis and its URL."""
+           extra_scheduler: list[str] = (), log_dir: str | None = None, http_port: int | None = None,
+           extra_router: list[str] = ()) -> tuple[list[Child], subprocess.Popen | None, str]:
+    """Starts the mesh and waits until it is ready; returns the children, redis and its URL.
+    Every service gets a free /metrics port; the router's HTTP port is `http_port` (None: a free one)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvmesh-up-")
     redis_proc = None
     if redis_url is None:
@@ -106,15 +109,18 @@ def launch(model: str | None, workers: int, redis_url: str | None, port: int, ex
     model_flags = ["--model", model] if model else []
     plan = [("kvcache", free_port(), [], 30), ("scheduler", free_port(), list(extra_scheduler), 30)]
     plan += [(f"worker-{i}", free_port(), [*model_flags, "--worker-id", f"worker-{i}", *extra_worker], 300) for i in range(workers)]
-    plan += [("router", port, model_flags, 120)]
+    plan += [("router", port, [*model_flags, *extra_router], 120)]
     children: list[Child] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         for name, p, extra, timeout in plan:
             service = name.split("-")[0]
+            http = (http_port or free_port()) if service == "router" else free_port()
+            http_flag = "--http-port" if service == "router" else "--metrics-port"
             log = open(os.path.join(log_dir, f"{name}.log"), "w")
-            proc = subprocess.Popen(serve_command(service, redis_url, p, *extra), stdout=log, stderr=subprocess.STDOUT, env=env)
-            children.append(Child(name, f"127.0.0.1:{p}", proc))
+            proc = subprocess.Popen(serve_command(service, redis_url, p, http_flag, str(http), *extra),
+                                    stdout=log, stderr=subprocess.STDOUT, env=env)
+            children.append(Child(name, f"127.0.0.1:{p}", proc, f"127.0.0.1:{http}"))
         for child, (_, _, _, timeout) in zip(children, plan):
             wait_serving(child.address, timeout, child.process)
         wait_scheduled(redis_url, workers, timeout_s=60)
@@ -138,16 +144,19 @@ def stop(children: list[Child], redis_proc: subprocess.Popen | None) -> None:
         redis_proc.wait(timeout=10)
 
 
-def up(model: str | None, workers: int, redis_url: str | None, port: int, batching: str = "continuous") -> int:
+def up(model: str | None, workers: int, redis_url: str | None, port: int, batching: str = "continuous",
+       http_port: int = 8000) -> int:
     print("starting the kvmesh mesh (the first start generates the default model)...", flush=True)
     log_dir = tempfile.mkdtemp(prefix="kvmesh-up-")
     children, redis_proc, redis_url = launch(model, workers, redis_url, port, log_dir=log_dir,
-                                             extra_scheduler=["--batching", batching])
+                                             extra_scheduler=["--batching", batching], http_port=http_port)
     print(f"redis      {redis_url}")
     for child in children:
-        print(f"{child.name:<10} {child.address}")
+        print(f"{child.name:<10} gRPC {child.address}   metrics http://{child.http}/metrics")
     print(f"logs       {log_dir}")
     print(f'\nready. try:\n  kvmesh generate --addr 127.0.0.1:{port} --max-new-tokens 32 "Once upon a time"\n'
+          f'  curl http://127.0.0.1:{http_port}/v1/completions -H "Content-Type: application/json" '
+          f"""-d '{{"model": "default", "prompt": "Once upon a time", "max_tokens": 32}}'\n"""
           "Ctrl-C stops every service.", flush=True)
     stopping = False
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import grpc
 
+from kvmesh import telemetry
+from kvmesh.metrics import RouterMetrics
 from kvmesh.params import InvalidRequest, validate_request
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
@@ -32,19 +34,31 @@ log = logging.getLogger("kvmesh.router")
 MAX_STOP_STRINGS = 16
 
 
+class RouterError(Exception):
+    """A request the router ends with a gRPC status (the HTTP API maps it to a status code)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, trailing: tuple = ()):
+        super().__init__(message)
+        self.code, self.message, self.trailing = code, message, trailing
+
+
 class RouterService(generation_pb2_grpc.GenerationServicer):
     """Generate, ListModels, Tokenize. Errors: INVALID_ARGUMENT naming the field and the limit,
     NOT_FOUND for an unknown model, UNAVAILABLE while no scheduler or worker is ready; a
     scheduler's error status is passed on as it came."""
 
-    def __init__(self, cfg: RouterConfig, model_dir: Path, registry: Registry):
+    def __init__(self, cfg: RouterConfig, model_dir: Path, registry: Registry, metrics: RouterMetrics | None = None):
         self.cfg = cfg
+        self.api_keys = cfg.api_key_set()
+        self.metrics = metrics or RouterMetrics()
+        self.tracer = telemetry.tracer("kvmesh.router")
         self.model: ModelConfig = load_config(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.registry = registry
         self.schedulers: list[scheduler_pb2_grpc.SchedulerStub] = []
         self.scheduler_addresses: list[str] = []
         self.ready_workers = 0
+        self.is_ready = False
         self._round_robin = itertools.count()
         self._seeds = random.Random()
 
@@ -59,7 +73,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                     channels.setdefault(a, grpc.aio.insecure_channel(a))
                 self.scheduler_addresses = addresses
                 self.schedulers = [scheduler_pb2_grpc.SchedulerStub(channels[a]) for a in addresses]
-                await on_ready(bool(self.schedulers) and self.ready_workers > 0)
+                self.is_ready = bool(self.schedulers) and self.ready_workers > 0
+                await on_ready(self.is_ready)
             except Exception as e:
                 log.warning("discovery failed: %s", e)
             await asyncio.sleep(0.5)
@@ -89,28 +104,67 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             submit.sampling.seed = self._seeds.getrandbits(63)  # the stream stays reproducible on recompute
         return submit
 
-    async def Generate(self, request, context):
+    def check_api_key(self, authorization: str | None) -> None:
+        """Raises RouterError(UNAUTHENTICATED) when API keys are configured and `authorization` is not one."""
+        if not self.api_keys:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
+            raise RouterError(grpc.StatusCode.UNAUTHENTICATED,
+                              "missing or wrong API key: send `authorization: Bearer <key>`")
+
+    def open_span(self, metadata) -> telemetry.Span:
+        """The request's `kvmesh.generate` span, a child of the caller's `traceparent` when there is one."""
+        return self.tracer.start_span("kvmesh.generate", context=telemetry.context_from_metadata(metadata),
+                                      kind=telemetry.SpanKind.SERVER)
+
+    async def generate(self, request, timeout: float | None, span: telemetry.Span):
+        """Streams GenerateResponse messages for one request; the last one carries `finish`.
+        Raises RouterError for bad input (INVALID_ARGUMENT), an unknown model (NOT_FOUND), nothing
+        ready (UNAVAILABLE) and a scheduler's error status, passed on as it came (retry hint included).
+        Records the request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
         started = time.monotonic()
+        model = self.cfg.model_name
+        self.metrics.in_flight.labels(model).inc()
+        try:
+            async for out in self._generate(request, timeout, span, started):
+                yield out
+        except RouterError as e:
+            self.metrics.failure.labels(model, e.code.name).inc()
+            span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, f"{e.code.name}: {e.message}"))
+            raise
+        finally:
+            self.metrics.in_flight.labels(model).dec()
+
+    async def _generate(self, request, timeout, span, started):
         if (problem := self._check_model(request.model)) is not None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, problem)
+            raise RouterError(grpc.StatusCode.NOT_FOUND, problem)
         try:
             submit = self._validated(request)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if not self.schedulers:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready")
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready")
+        span.set_attribute("kvmesh.request_id", submit.request_id)
+        span.set_attribute("kvmesh.prompt_tokens", len(submit.prompt_token_ids))
+        span.set_attribute("kvmesh.max_new_tokens", submit.stopping.max_new_tokens)
         stub = self.schedulers[next(self._round_robin) % len(self.schedulers)]
-        remaining = context.time_remaining()
-        call = stub.Submit(submit, timeout=remaining)
+        call = stub.Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
         detok = IncrementalDetokenizer(self.tokenizer, submit.prompt_token_ids)
         stops = StopStringMatcher(list(request.stopping.stop))
-        completion, first_token_at = 0, None
+        trace_id = telemetry.trace_id_hex(span)
+        itl = self.metrics.itl.labels(self.cfg.model_name)
+        completion, first_token_at, last_token_at = 0, None, None
         try:
             async for event in call:
                 out = gen.GenerateResponse(request_id=submit.request_id)
+                now = time.monotonic()
                 for token_id, logprob in zip(event.token_ids, event.logprobs):
                     completion += 1
-                    first_token_at = first_token_at or time.monotonic()
+                    first_token_at = first_token_at or now
+                    if last_token_at is not None:
+                        itl.observe(now - last_token_at)
+                    last_token_at = now
                     text = stops.push(detok.push(token_id))
                     out.tokens.append(gen.Token(id=token_id, text=text, logprob=logprob))
                     if stops.stopped:
@@ -119,22 +173,69 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 if reason != gen.FINISH_REASON_UNSPECIFIED:
                     if not stops.stopped and out.tokens:
                         out.tokens[-1].text += stops.push(detok.flush()) + stops.flush()
-                    now = time.monotonic()
-                    out.finish.CopyFrom(gen.Finish(
+                    finish = gen.Finish(
                         reason=reason, prompt_tokens=len(submit.prompt_token_ids),
                         cached_prompt_tokens=event.cached_prompt_tokens, completion_tokens=completion,
                         queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
-                        total_ms=(now - started) * 1000, message=event.message,
-                        worker_id=event.worker_id, preemptions=event.preemptions))
+                        total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
+                        worker_id=event.worker_id, preemptions=event.preemptions)
+                    self._record_finish(finish, span)
+                    out.finish.CopyFrom(finish)
                     yield out
                     return
                 yield out
-        except grpc.aio.AioRpcError as e:  # passed on as it came, retry hint included
-            await context.abort(e.code(), e.details() or "scheduler error", tuple(e.trailing_metadata() or ()))
+        except grpc.aio.AioRpcError as e:
+            raise RouterError(e.code(), e.details() or "scheduler error", tuple(e.trailing_metadata() or ())) from None
         finally:
             call.cancel()  # no-op once finished; frees the request upstream when the client left
 
+    def _record_finish(self, f: gen.Finish, span: telemetry.Span) -> None:
+        model = self.cfg.model_name
+        m = self.metrics
+        reason = gen.FinishReason.Name(f.reason).lower()
+        m.success.labels(model, reason).inc()
+        m.ttft.labels(model).observe(f.ttft_ms / 1000)
+        m.e2e.labels(model).observe(f.total_ms / 1000)
+        m.queue.labels(model).observe(f.queue_ms / 1000)
+        if f.completion_tokens > 1:
+            m.tpot.labels(model).observe((f.total_ms - f.ttft_ms) / 1000 / (f.completion_tokens - 1))
+        m.prompt_len.labels(model).observe(f.prompt_tokens)
+        m.output_len.labels(model).observe(f.completion_tokens)
+        m.prompt_tokens.labels(model).inc(f.prompt_tokens)
+        m.generation_tokens.labels(model).inc(f.completion_tokens)
+        span.set_attributes({"kvmesh.finish_reason": reason, "kvmesh.completion_tokens": f.completion_tokens,
+                             "kvmesh.cached_prompt_tokens": f.cached_prompt_tokens, "kvmesh.queue_ms": f.queue_ms,
+                             "kvmesh.ttft_ms": f.ttft_ms, "kvmesh.worker_id": f.worker_id,
+                             "kvmesh.preemptions": f.preemptions})
+        if f.reason == gen.ERROR:
+            span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, f.message))
+
+    async def Generate(self, request, context):
+        """Streams tokens with their text; the last message carries `finish` (reason, usage, timings,
+        trace id). The trace id is also sent first, as `kvmesh-trace-id` response metadata."""
+        metadata = context.invocation_metadata()
+        span = self.open_span(metadata)
+        stream = self.generate(request, context.time_remaining(), span)
+        try:
+            if trace_id := telemetry.trace_id_hex(span):
+                await context.send_initial_metadata((("kvmesh-trace-id", trace_id),))
+            self.check_api_key(dict(metadata or ()).get("authorization"))
+            async for out in stream:
+                yield out
+        except RouterError as e:
+            await context.abort(e.code, e.message, e.trailing)
+        finally:
+            await stream.aclose()  # at once, so a client that left frees its request upstream now
+            span.end()
+
+    async def _authorized(self, context) -> None:
+        try:
+            self.check_api_key(dict(context.invocation_metadata() or ()).get("authorization"))
+        except RouterError as e:
+            await context.abort(e.code, e.message)
+
     async def ListModels(self, request, context):
+        await self._authorized(context)
         models = []
         if self.ready_workers:
             models.append(gen.ModelInfo(name=self.cfg.model_name, ready_workers=self.ready_workers,
@@ -142,6 +243,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         return gen.ListModelsResponse(models=models)
 
     async def Tokenize(self, request, context):
+        await self._authorized(context)
         if (problem := self._check_model(request.model)) is not None:
             await context.abort(grpc.StatusCode.NOT_FOUND, problem)
         return gen.TokenizeResponse(ids=self.tokenizer.encode(request.text))
@@ -150,19 +252,26 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
     from kvmesh.modelgen import default_model_dir
 
+    from kvmesh.services.router.http import start_http
+
+    telemetry.setup_tracing("router")
     registry = Registry(common.redis_url)
     service = RouterService(cfg, Path(cfg.model) if cfg.model else default_model_dir(), registry)
     server = ServiceServer(["kvmesh.v1.Generation"], lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s),
                            common.host, cfg.port)
     await server.start()
     address = advertised_address(common, server.port)
+    http = await start_http(service, common.host, cfg.http_port)
+    http_address = advertised_address(common, http[1]) if http else ""
     ready = asyncio.Event()
 
     async def on_ready(is_ready: bool):
         await server.set_serving(is_ready)
         if is_ready and not ready.is_set():
             ready.set()
-            print(f"router ready on {address}", flush=True)
+            print(f"router ready on {address} (HTTP {http_address or 'off'})", flush=True)
 
     discovery = asyncio.create_task(service.discover(on_ready))
-    await serve_until_stopped(server, registry, "router", address, {"address": address}, tasks=(discovery,), serving=False)
+    cleanups = (http[0].cleanup,) if http else ()
+    await serve_until_stopped(server, registry, "router", address, {"address": address, "http": http_address},
+                              tasks=(discovery,), serving=False, cleanups=cleanups)

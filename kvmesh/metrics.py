@@ -1,0 +1,130 @@
+"""Prometheus metrics, one class per service, named `kvmesh_*` and shaped like vLLM's where they mean
+the same (`vllm:time_to_first_token_seconds` is `kvmesh_time_to_first_token_seconds` here).
+
+Each service builds only its own class, so its /metrics shows its own series. Every class takes
+a registry (tests use a fresh one); services use prometheus-client's default registry, which also
+carries the process collector (`process_resident_memory_bytes`, CPU seconds, open files).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+# Bucket edges follow vLLM's so dashboards built for it read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class RouterMetrics:
+    """Per request, as the client sees it (gRPC and HTTP alike)."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY):
+        m = ("model_name",)
+        self.ttft = Histogram("kvmesh_time_to_first_token_seconds", "Time from request arrival to its first token.",
+                              m, buckets=TTFT_BUCKETS, registry=registry)
+        self.itl = Histogram("kvmesh_inter_token_latency_seconds", "Time between consecutive output tokens of a request.",
+                             m, buckets=ITL_BUCKETS, registry=registry)
+        self.tpot = Histogram("kvmesh_time_per_output_token_seconds",
+                              "Per request: (end-to-end - time to first token) / (output tokens - 1).",
+                              m, buckets=ITL_BUCKETS, registry=registry)
+        self.e2e = Histogram("kvmesh_e2e_request_latency_seconds", "Time from request arrival to its last token.",
+                             m, buckets=REQUEST_BUCKETS, registry=registry)
+        self.queue = Histogram("kvmesh_request_queue_time_seconds", "Time a request waited in the scheduler's queue.",
+                               m, buckets=REQUEST_BUCKETS, registry=registry)
+        self.prompt_len = Histogram("kvmesh_request_prompt_tokens", "Prompt length of finished requests.",
+                                    m, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        self.output_len = Histogram("kvmesh_request_generation_tokens", "Output length of finished requests.",
+                                    m, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("kvmesh_prompt_tokens", "Prompt tokens of finished requests.", m, registry=registry)
+        self.generation_tokens = Counter("kvmesh_generation_tokens", "Output tokens streamed.", m, registry=registry)
+        self.success = Counter("kvmesh_request_success", "Requests finished, by finish reason.",
+                               (*m, "finished_reason"), registry=registry)
+        self.failure = Counter("kvmesh_request_failure", "Requests that ended with a gRPC error, by status code.",
+                               (*m, "code"), registry=registry)
+        self.in_flight = Gauge("kvmesh_requests_in_flight", "Streams open at the router.", m, registry=registry)
+
+
+class SchedulerMetrics:
+    """Per worker batching loop."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY):
+        w = ("worker",)
+        self.running = Gauge("kvmesh_num_requests_running", "Requests in the worker's batch.", w, registry=registry)
+        self.waiting = Gauge("kvmesh_num_requests_waiting", "Requests queued for the worker.", w, registry=registry)
+        self.token_queue = Gauge("kvmesh_estimated_token_queue",
+                                 "Prompt plus expected output tokens of waiting requests (the autoscaling signal).",
+                                 w, registry=registry)
+        self.preemptions = Counter("kvmesh_num_preemptions", "Requests preempted (pages taken back, recomputed later).",
+                                   w, registry=registry)
+        self.prefix_queries = Counter("kvmesh_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      w, registry=registry)
+        self.prefix_hits = Counter("kvmesh_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   w, registry=registry)
+        self.orphaned_pages = Gauge("kvmesh_kv_pages_held_by_finished_requests",
+                                    "KV pages held by sequences that are no longer running or waiting; must be 0.",
+                                    w, registry=registry)
+        self.step = Histogram("kvmesh_step_duration_seconds", "One batch step, scheduler to worker and back.",
+                              w, buckets=STEP_BUCKETS, registry=registry)
+        self.batch_size = Histogram("kvmesh_batch_size", "Sequences in one step.", w, buckets=BATCH_BUCKETS,
+                                    registry=registry)
+        self.step_tokens = Histogram("kvmesh_step_tokens", "Tokens in one step (decodes plus prefill chunks).",
+                                     w, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+
+
+class KVCacheMetrics:
+    """Page accounting per worker: free + used + cached == total."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY):
+        w = ("worker",)
+        self.total = Gauge("kvmesh_kv_pages_total", "KV pages in the worker's pool.", w, registry=registry)
+        self.used = Gauge("kvmesh_kv_pages_used", "KV pages held by running sequences.", w, registry=registry)
+        self.free = Gauge("kvmesh_kv_pages_free", "KV pages holding nothing.", w, registry=registry)
+        self.cached = Gauge("kvmesh_kv_pages_cached", "KV pages held only by the prefix cache (evictable).",
+                            w, registry=registry)
+        self.usage = Gauge("kvmesh_kv_cache_usage_ratio", "Used pages / total pages.", w, registry=registry)
+
+    def set_pages(self, worker: str, total: int, used: int, free: int, cached: int) -> None:
+        self.total.labels(worker).set(total)
+        self.used.labels(worker).set(used)
+        self.free.labels(worker).set(free)
+        self.cached.labels(worker).set(cached)
+        self.usage.labels(worker).set(used / total if total else 0.0)
+
+    def forget(self, worker: str) -> None:
+        for gauge in (self.total, self.used, self.free, self.cached, self.usage):
+            try:
+                gauge.remove(worker)
+            except KeyError:
+                pass
+
+
+class WorkerMetrics:
+    """The model runner: forward time and memory."""
+
+    def __init__(self, worker: str, registry: CollectorRegistry = REGISTRY):
+        w = ("worker",)
+        self.forward = Histogram("kvmesh_forward_seconds", "One forward pass and sampling over a flattened batch.",
+                                 w, buckets=STEP_BUCKETS, registry=registry).labels(worker)
+        self.memory = Gauge("kvmesh_worker_memory_bytes",
+                            "Worker memory: resident (process RSS) on CPU; gpu_used and gpu_total on CUDA.",
+                            (*w, "kind"), registry=registry)
+        self.cold_start = Gauge("kvmesh_worker_cold_start_seconds", "Process start to ready (weights loaded, warmed up).",
+                                w, registry=registry).labels(worker)
+        self.worker = worker
+
+
+def serve_metrics(host: str, port: int) -> int | None:
+    """Starts the /metrics HTTP server on its own thread; returns the bound port (None when port is -1)."""
+    if port < 0:
+        return None
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, addr=host)
+    return server.server_port

@@ -1,0 +1,42 @@
+"""The router's HTTP side (aiohttp, on the router's event loop): `/health` (alive), `/ready` (a model
+pool has a ready worker), `/metrics` (Prometheus) and the OpenAI-compatible API under `/v1`."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from kvmesh.services.router import openai_api
+
+
+def build_app(service) -> web.Application:
+    app = web.Application(client_max_size=16 << 20)
+
+    async def health(_request):
+        return web.json_response({"status": "alive"})
+
+    async def ready(_request):
+        if service.is_ready:
+            return web.json_response({"status": "ready", "models": [service.cfg.model_name]})
+        return web.json_response({"status": "not ready", "reason": "no scheduler with a ready worker"}, status=503)
+
+    async def metrics(_request):
+        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    openai_api.add_routes(app, service)
+    return app
+
+
+async def start_http(service, host: str, port: int) -> tuple[web.AppRunner, int] | None:
+    """Serves the app on host:port (0 picks a free port); None when port is -1."""
+    if port < 0:
+        return None
+    runner = web.AppRunner(build_app(service), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    return runner, bound
