@@ -28,6 +28,7 @@ class NewSequence:
     sampling: SamplingParams
     page_ids: list[int]
     num_computed_tokens: int = 0
+    traceparent: str = ""  # the request's trace context, parent of its kvmesh.token_step spans
 
 
 @dataclass

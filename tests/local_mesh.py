@@ -14,11 +14,12 @@ from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
 class Mesh:
     """What `kvmesh up` starts (with its own redis-server), with 4 MiB of KV per worker unless overridden."""
 
-    def __init__(self, model_dir, workers=2, extra_worker=(), extra_scheduler=()):
+    def __init__(self, model_dir, workers=2, extra_worker=(), extra_scheduler=(), extra_router=(), env=None):
         self.port = free_port()
         self.children, self.redis, self.redis_url = launch(str(model_dir), workers, None, self.port,
                                                            extra_worker=["--kv-memory-mib", "4", *extra_worker],
-                                                           extra_scheduler=list(extra_scheduler))
+                                                           extra_scheduler=list(extra_scheduler),
+                                                           extra_router=list(extra_router), env=env)
         self.addr = f"127.0.0.1:{self.port}"
         self.kvcache_addr = next(c.address for c in self.children if c.name == "kvcache")
 

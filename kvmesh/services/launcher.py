@@ -97,9 +97,10 @@ def serve_command(service: str, redis_url: str, port: int, *extra: str) -> list[
 
 def launch(model: str | None, workers: int, redis_url: str | None, port: int, extra_worker: list[str] = (),
            extra_scheduler: list[str] = (), log_dir: str | None = None, http_port: int | None = None,
-           extra_router: list[str] = ()) -> tuple[list[Child], subprocess.Popen | None, str]:
+           extra_router: list[str] = (), env: dict[str, str] | None = None) -> tuple[list[Child], subprocess.Popen | None, str]:
     """Starts the mesh and waits until it is ready; returns the children, redis and its URL.
-    Every service gets a free /metrics port; the router's HTTP port is `http_port` (None: a free one)."""
+    Every service gets a free /metrics port; the router's HTTP port is `http_port` (None: a free one).
+    `env` adds variables to the services' environment (OTEL_* settings, for one)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvmesh-up-")
     redis_proc = None
     if redis_url is None:
@@ -111,7 +112,7 @@ def launch(model: str | None, workers: int, redis_url: str | None, port: int, ex
     plan += [(f"worker-{i}", free_port(), [*model_flags, "--worker-id", f"worker-{i}", *extra_worker], 300) for i in range(workers)]
     plan += [("router", port, [*model_flags, *extra_router], 120)]
     children: list[Child] = []
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
     try:
         for name, p, extra, timeout in plan:
             service = name.split("-")[0]

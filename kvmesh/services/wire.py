@@ -47,7 +47,7 @@ def plan_to_proto(step: int, plan: StepPlan) -> wk.StepRequest:
         dropped=plan.dropped,
         new=[wk.NewSequence(seq_id=n.seq_id, token_ids=n.token_ids, num_prompt_tokens=n.num_prompt_tokens,
                             sampling=sampling_to_proto(n.sampling), page_ids=n.page_ids,
-                            num_computed_tokens=n.num_computed_tokens) for n in plan.new],
+                            num_computed_tokens=n.num_computed_tokens, traceparent=n.traceparent) for n in plan.new],
         scheduled=[wk.ScheduledChunk(seq_id=c.seq_id, num_tokens=c.num_tokens, new_page_ids=c.new_page_ids)
                    for c in plan.scheduled],
     )
@@ -57,7 +57,7 @@ def plan_from_proto(m: wk.StepRequest) -> StepPlan:
     return StepPlan(
         dropped=list(m.dropped),
         new=[NewSequence(n.seq_id, list(n.token_ids), n.num_prompt_tokens, sampling_from_proto(n.sampling),
-                         list(n.page_ids), n.num_computed_tokens) for n in m.new],
+                         list(n.page_ids), n.num_computed_tokens, n.traceparent) for n in m.new],
         scheduled=[ScheduledChunk(c.seq_id, c.num_tokens, list(c.new_page_ids)) for c in m.scheduled],
     )
 

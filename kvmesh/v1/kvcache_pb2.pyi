@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PageOp(_message.Message):
-    __slots__ = ("kind", "seq_id", "page_ids", "num_tokens", "token_ids")
+    __slots__ = ("kind", "seq_id", "page_ids", "num_tokens", "token_ids", "traceparent")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[PageOp.Kind]
@@ -26,12 +26,14 @@ class PageOp(_message.Message):
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     kind: PageOp.Kind
     seq_id: str
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[_Union[PageOp.Kind, str]] = ..., seq_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, kind: _Optional[_Union[PageOp.Kind, str]] = ..., seq_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ApplyRequest(_message.Message):
     __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "ops", "forget")

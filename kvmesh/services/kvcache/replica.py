@@ -15,15 +15,18 @@ Op = kvcache_pb2.PageOp
 
 
 class RecordingPagePool(PagePool):
-    """A PagePool that records every change as a PageOp until `drain()`."""
+    """A PagePool that records every change as a PageOp until `drain()`. OPEN and RELEASE carry
+    the sequence's trace context from `traceparents` (seq id -> W3C traceparent), when it has one."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ops: list[kvcache_pb2.PageOp] = []
+        self.traceparents: dict[str, str] = {}
 
     def open(self, seq_id, prefix_pages):
         super().open(seq_id, prefix_pages)
-        self.ops.append(Op(kind=Op.OPEN, seq_id=seq_id, page_ids=prefix_pages))
+        self.ops.append(Op(kind=Op.OPEN, seq_id=seq_id, page_ids=prefix_pages,
+                           traceparent=self.traceparents.get(seq_id, "")))
 
     def grow(self, seq_id, num_tokens):
         pages = super().grow(seq_id, num_tokens)
@@ -40,7 +43,7 @@ class RecordingPagePool(PagePool):
 
     def release(self, seq_id):
         if seq_id in self.tables:
-            self.ops.append(Op(kind=Op.RELEASE, seq_id=seq_id))
+            self.ops.append(Op(kind=Op.RELEASE, seq_id=seq_id, traceparent=self.traceparents.get(seq_id, "")))
         super().release(seq_id)
 
     def drain(self) -> list[kvcache_pb2.PageOp]:

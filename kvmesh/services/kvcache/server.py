@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 
+from kvmesh import telemetry
+from kvmesh.metrics import KVCacheMetrics, serve_metrics
 from kvmesh.services.config import CommonConfig, KVCacheServiceConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.kvcache.pages import PagePool
 from kvmesh.services.kvcache.prefix_store import PrefixStore
-from kvmesh.services.kvcache.replica import apply_ops
+from kvmesh.services.kvcache.replica import Op, apply_ops
 from kvmesh.services.registry import Registry
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
 
@@ -25,13 +27,16 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
     changes they cause are mirrored to Redis in one pipeline. A new epoch or `forget` drops the
     worker's pages and purges its Redis entries. Stats: pages per worker."""
 
-    def __init__(self, store: PrefixStore):
+    def __init__(self, store: PrefixStore, metrics: KVCacheMetrics | None = None):
         self.pools: dict[str, tuple[int, PagePool]] = {}  # worker id -> (epoch, pool)
         self.store = store
+        self.metrics = metrics or KVCacheMetrics()
+        self.tracer = telemetry.tracer("kvmesh.kvcache")
 
     async def Apply(self, request, context):
         if request.forget:
             self.pools.pop(request.worker_id, None)
+            self.metrics.forget(request.worker_id)
             await self._mirror(request.worker_id, 0, [], purge=True)
             return kvcache_pb2.ApplyResponse()
         epoch, pool = self.pools.get(request.worker_id, (None, None))
@@ -40,14 +45,39 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             pool = PagePool(request.num_pages, request.page_size)
             pool.index_changes = []
             self.pools[request.worker_id] = (request.epoch, pool)
-        diverged = apply_ops(pool, request.ops)
+        diverged = self._apply_traced(request.worker_id, pool, request.ops)
         changes, pool.index_changes = pool.index_changes, []
         if diverged:
             log.error("page replica of worker %s diverged; dropping it until the next epoch", request.worker_id)
             self.pools.pop(request.worker_id)
             changes, new_epoch = [], True
+        else:
+            st = pool.stats()
+            self.metrics.set_pages(request.worker_id, st.total, st.used, st.free, st.cached)
         await self._mirror(request.worker_id, request.epoch, changes, purge=new_epoch)
         return kvcache_pb2.ApplyResponse(diverged=diverged)
+
+    def _apply_traced(self, worker_id: str, pool: PagePool, ops) -> bool:
+        """apply_ops, with a `kvmesh.kv.open` / `kvmesh.kv.release` span for each traced request's
+        OPEN and RELEASE (its pages taken with the shared prefix, and given back)."""
+        if not any(op.traceparent for op in ops):
+            return apply_ops(pool, ops)
+        for i, op in enumerate(ops):
+            if not op.traceparent or op.kind not in (Op.OPEN, Op.RELEASE):
+                if apply_ops(pool, ops[i:i + 1]):
+                    return True
+                continue
+            table = pool.tables.get(op.seq_id)
+            held = len(table.page_ids) if op.kind == Op.RELEASE and table else len(op.page_ids)
+            name = "kvmesh.kv.open" if op.kind == Op.OPEN else "kvmesh.kv.release"
+            attributes = {"kvmesh.worker_id": worker_id, "kvmesh.request_id": op.seq_id,
+                          ("kvmesh.prefix_pages" if op.kind == Op.OPEN else "kvmesh.pages"): held}
+            with self.tracer.start_as_current_span(name, context=telemetry.context_from_traceparent(op.traceparent),
+                                                   attributes=attributes) as span:
+                apply_ops(pool, ops[i:i + 1])
+                st = pool.stats()
+                span.set_attributes({"kvmesh.free_pages": st.free, "kvmesh.cached_pages": st.cached})
+        return False
 
     async def _mirror(self, worker_id: str, epoch: int, changes, purge: bool) -> None:
         try:
@@ -65,6 +95,8 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
 
 
 async def serve(common: CommonConfig, cfg: KVCacheServiceConfig) -> None:
+    telemetry.setup_tracing("kvcache")
+    metrics_port = serve_metrics(common.host, cfg.metrics_port)
     registry = Registry(common.redis_url)
     service = KVCacheService(PrefixStore(registry.redis))
     server = ServiceServer(["kvmesh.v1.KVCache"], lambda s: kvcache_pb2_grpc.add_KVCacheServicer_to_server(service, s),
@@ -72,4 +104,5 @@ async def serve(common: CommonConfig, cfg: KVCacheServiceConfig) -> None:
     await server.start()
     address = advertised_address(common, server.port)
     print(f"kvcache ready on {address}", flush=True)
-    await serve_until_stopped(server, registry, "kvcache", address, {"address": address})
+    record = {"address": address, "metrics": advertised_address(common, metrics_port) if metrics_port else ""}
+    await serve_until_stopped(server, registry, "kvcache", address, record)

@@ -194,7 +194,8 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             plan.new.append(
-                NewSequence(req.request_id, tokens, len(req.prompt_token_ids), req.sampling, prefix + pages, computed)
+                NewSequence(req.request_id, tokens, len(req.prompt_token_ids), req.sampling, prefix + pages, computed,
+                            req.traceparent)
             )
             chunks[req.request_id] = chunk = ScheduledChunk(req.request_id, n, [])
             plan.scheduled.append(chunk)

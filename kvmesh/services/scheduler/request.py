@@ -46,6 +46,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    traceparent: str = ""  # W3C trace context of the scheduler's span for this request ("" when not traced)
 
     @property
     def all_token_ids(self) -> list[int]:

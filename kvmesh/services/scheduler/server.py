@@ -19,6 +19,8 @@ from collections import Counter
 
 import grpc
 
+from kvmesh import telemetry
+from kvmesh.metrics import SchedulerMetrics, serve_metrics
 from kvmesh.params import InvalidRequest
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, SchedulerServiceConfig
@@ -45,7 +47,8 @@ class WorkerGone(Exception):
 class WorkerLoop:
     """Continuous batching for one worker."""
 
-    def __init__(self, record: dict, info: worker_pb2.WorkerInfo, cfg: SchedulerServiceConfig, kvcache):
+    def __init__(self, record: dict, info: worker_pb2.WorkerInfo, cfg: SchedulerServiceConfig, kvcache,
+                 metrics: SchedulerMetrics):
         self.worker_id = record["id"]
         self.address = record["address"]
         self.info = info
@@ -61,6 +64,10 @@ class WorkerLoop:
         # Cumulative seconds per part of a step: scheduling, the worker's forward pass, the rest
         # of the round trip (wire and (de)serialisation), and applying the result.
         self.timing = {"steps": 0, "schedule_s": 0.0, "forward_s": 0.0, "wire_s": 0.0, "update_s": 0.0}
+        self.metrics = metrics
+        self._step_hist, self._batch_hist, self._tokens_hist = (
+            h.labels(self.worker_id) for h in (metrics.step, metrics.batch_size, metrics.step_tokens))
+        self._preemptions_seen = 0
 
     def view(self, hashes: list[bytes]) -> WorkerView:
         """What placement needs to know about this worker for a prompt with these page hashes."""
@@ -82,6 +89,8 @@ class WorkerLoop:
         """Queues the request (ValueError or InvalidRequest, changing nothing, if it cannot be)."""
         self.core.check_fits(req)
         self.core.add(req)  # first: it rejects a request_id in use before any state is touched
+        if req.traceparent:
+            self.pool.traceparents[req.request_id] = req.traceparent
         self.expected_hits[req.request_id] = expected_hit_pages * self.pool.page_size
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[req.request_id] = queue
@@ -96,8 +105,9 @@ class WorkerLoop:
         self.queued_hashes.subtract(hashes)
         self.queued_hashes += Counter()  # drop zero counts
         if not finished:
-            self.core.abort(request_id)
+            self.core.abort(request_id)  # records the RELEASE (with its trace context) before the pop below
             self.wake.set()
+        self.pool.traceparents.pop(request_id, None)
 
     async def run(self, channel: grpc.aio.Channel) -> None:
         shipper = asyncio.create_task(self._ship_page_ops())
@@ -119,6 +129,7 @@ class WorkerLoop:
                 t0 = time.perf_counter()
                 plan = self.core.schedule()
                 step += 1
+                self._count_admissions(plan)
                 t1 = time.perf_counter()
                 await call.write(wire.plan_to_proto(step, plan))
                 result = await (pending_read or call.read())
@@ -132,6 +143,9 @@ class WorkerLoop:
                 self._dispatch(self.core.update(plan, wire.result_from_proto(result)))
                 self._queue_ops()
                 self._account(t0, t1, t2, result.forward_ms / 1000)
+                self._step_hist.observe(t2 - t1)
+                self._batch_hist.observe(len(plan.scheduled))
+                self._tokens_hist.observe(plan.num_tokens)
         except (grpc.aio.AioRpcError, WorkerGone) as e:
             log.error("worker %s is gone: %s", self.worker_id, e)
         finally:
@@ -148,6 +162,33 @@ class WorkerLoop:
         t["forward_s"] += forward_s
         t["wire_s"] += (t2 - t1) - forward_s
         t["update_s"] += time.perf_counter() - t2
+
+    def _count_admissions(self, plan) -> None:
+        """Prefix cache queries and hits (in prompt tokens) at a request's first admission; preemptions."""
+        m = self.metrics
+        for new in plan.new:
+            req = self.core.requests.get(new.seq_id)
+            if req is not None and req.num_preemptions == 0:
+                m.prefix_queries.labels(self.worker_id).inc(len(req.prompt_token_ids))
+                m.prefix_hits.labels(self.worker_id).inc(req.num_cached_prompt_tokens)
+        if self.core.num_preemptions != self._preemptions_seen:
+            m.preemptions.labels(self.worker_id).inc(self.core.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = self.core.num_preemptions
+
+    def publish_metrics(self, waiting_tokens: int) -> None:
+        m, w = self.metrics, self.worker_id
+        m.running.labels(w).set(len(self.core.running))
+        m.waiting.labels(w).set(len(self.core.waiting))
+        m.token_queue.labels(w).set(waiting_tokens)
+        m.orphaned_pages.labels(w).set(self.pages_held_by_finished())
+
+    def pages_held_by_finished(self) -> int:
+        """Pages in tables of sequences the core no longer tracks: a leak if ever above zero."""
+        held = set()
+        for seq_id, table in self.pool.tables.items():
+            if seq_id not in self.core.requests:
+                held.update(table.page_ids)
+        return len(held)
 
     def dispatch_expired(self, max_wait_s: float) -> None:
         self._dispatch(self.core.expire_waiting(max_wait_s))
@@ -190,9 +231,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     TokenEvents out, the last with its finish reason. Errors: UNAVAILABLE when no worker is
     ready, INVALID_ARGUMENT when the request cannot fit a worker's KV pool."""
 
-    def __init__(self, cfg: SchedulerServiceConfig, registry: Registry):
+    def __init__(self, cfg: SchedulerServiceConfig, registry: Registry, metrics: SchedulerMetrics | None = None):
         self.cfg = cfg
         self.registry = registry
+        self.metrics = metrics or SchedulerMetrics()
+        self.tracer = telemetry.tracer("kvmesh.scheduler")
         self.workers: dict[str, WorkerLoop] = {}
         self.placement = PlacementConfig(cfg.worker_choice, cfg.prefill_weight, cfg.load_weight,
                                          cfg.balance_ratio, cfg.balance_slack_pages)
@@ -224,12 +267,25 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return max(1.0, tokens / self.cfg.max_batched_tokens * per_step / max(1, len(self.workers)))
 
     async def Submit(self, request, context):
+        span = self.tracer.start_span("kvmesh.schedule", kind=telemetry.SpanKind.SERVER,
+                                      context=telemetry.context_from_metadata(context.invocation_metadata()))
+        try:
+            async for event in self._submit(request, context, span):
+                yield event
+        finally:
+            span.end()
+
+    async def _abort(self, context, span, code: grpc.StatusCode, message: str):
+        span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, f"{code.name}: {message}"))
+        await context.abort(code, message)
+
+    async def _submit(self, request, context, span):
         if (waiting := self.waiting_count()) >= self.cfg.max_queue_len:
             hint = self.retry_hint_s()
             context.set_trailing_metadata((("retry-after-ms", str(int(hint * 1000))),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"queue is full ({waiting} waiting, limit max_queue_len={self.cfg.max_queue_len}); "
-                                f"retry in about {hint:.0f} s")
+            await self._abort(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"queue is full ({waiting} waiting, limit max_queue_len={self.cfg.max_queue_len}); "
+                              f"retry in about {hint:.0f} s")
         page_size = next((w.pool.page_size for w in self.workers.values()), 16)
         hashes = prefix_hashes(list(request.prompt_token_ids), page_size) if self.cfg.prefix_caching else []
         worker = self.pick_worker(hashes)
@@ -239,7 +295,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.sleep(0.1)
             worker = self.pick_worker(hashes)
         if worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker is ready (waited {NO_WORKER_WAIT_S:.0f}s)")
+            await self._abort(context, span, grpc.StatusCode.UNAVAILABLE, f"no worker is ready (waited {NO_WORKER_WAIT_S:.0f}s)")
         req = Request(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -247,23 +303,44 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             stopping=wire.stopping_from_proto(request.stopping),
             eos_token_ids=tuple(worker.info.eos_token_ids),
             priority=request.priority,
+            traceparent=telemetry.traceparent(span),
         )
         if req.request_id in self.active_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {req.request_id!r} is already in use")
+            await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, f"request_id {req.request_id!r} is already in use")
+        expected_pages = worker.view(hashes).prefix_pages
         try:
-            queue = worker.submit(req, hashes, worker.view(hashes).prefix_pages)
+            queue = worker.submit(req, hashes, expected_pages)
         except (InvalidRequest, ValueError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        span.set_attributes({"kvmesh.request_id": req.request_id, "kvmesh.worker_id": worker.worker_id,
+                             "kvmesh.expected_prefix_pages": expected_pages})
         self.active_ids.add(req.request_id)
-        finished = False
+        finished, queue_span_done = False, False
         try:
             while not finished:
                 event: TokenEvent = await queue.get()
                 finished = event.finish_reason is not None
+                if not queue_span_done and (req.first_scheduled_time is not None or finished):
+                    queue_span_done = self._record_queue_span(req, span)
                 yield _event_to_proto(event, worker.worker_id)
+            reason = req.finish_reason.value if req.finish_reason else "cancelled"
+            span.set_attributes({"kvmesh.finish_reason": reason, "kvmesh.preemptions": req.num_preemptions,
+                                 "kvmesh.cached_prompt_tokens": req.num_cached_prompt_tokens})
+            if req.finish_reason is FinishReason.ERROR:
+                span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, event.message))
         finally:
             self.active_ids.discard(req.request_id)
             worker.done(req.request_id, hashes, finished)  # cancels it if the client left or timed out
+
+    def _record_queue_span(self, req: Request, parent) -> bool:
+        """`kvmesh.queue`: arrival to first admission (or to the end, for a request never admitted)."""
+        if not telemetry.traceparent(parent):
+            return True
+        end = req.first_scheduled_time or time.monotonic()
+        self.tracer.start_span("kvmesh.queue", context=telemetry.trace.set_span_in_context(parent),
+                               start_time=_wall_ns(req.arrival_time), attributes={"kvmesh.priority": req.priority},
+                               ).end(end_time=_wall_ns(end))
+        return True
 
     async def discover(self) -> None:
         """Keeps `workers` in step with the registry: new workers get a loop."""
@@ -290,7 +367,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             if current is not None and current.alive:
                 current.alive = False  # restarted under the same id: the old loop's stream will break
-            loop = WorkerLoop(record, info, self.cfg, self.kvcache)
+            loop = WorkerLoop(record, info, self.cfg, self.kvcache, self.metrics)
             self.workers[record["id"]] = loop
             asyncio.create_task(loop.run(channel))
             log.info("scheduling on worker %s at %s", loop.worker_id, loop.address)
@@ -308,6 +385,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     w.dispatch_expired(self.cfg.max_queue_wait_s)
                 waiting = [{"id": r.request_id, "priority": r.priority, "estimated_tokens": w.estimated_tokens(r)}
                            for r in w.core.waiting]
+                w.publish_metrics(sum(r["estimated_tokens"] for r in waiting))
                 workers[w.worker_id] = {
                     "alive": w.alive,
                     "waiting": waiting,
@@ -328,6 +406,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.sleep(0.5)
 
 
+def _wall_ns(monotonic_s: float) -> int:
+    """A time.monotonic() reading as epoch nanoseconds (span timestamps are wall-clock)."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+
+
 def _event_to_proto(event: TokenEvent, worker_id: str) -> scheduler_pb2.TokenEvent:
     m = scheduler_pb2.TokenEvent(worker_id=worker_id)
     if event.token_id is not None:
@@ -345,6 +428,8 @@ def _event_to_proto(event: TokenEvent, worker_id: str) -> scheduler_pb2.TokenEve
 
 
 async def serve(common: CommonConfig, cfg: SchedulerServiceConfig) -> None:
+    telemetry.setup_tracing("scheduler")
+    metrics_port = serve_metrics(common.host, cfg.metrics_port)
     registry = Registry(common.redis_url)
     service = SchedulerService(cfg, registry)
     server = ServiceServer(["kvmesh.v1.Scheduler"], lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, s),
@@ -353,4 +438,5 @@ async def serve(common: CommonConfig, cfg: SchedulerServiceConfig) -> None:
     address = advertised_address(common, server.port)
     tasks = (asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state(address)))
     print(f"scheduler ready on {address}", flush=True)
-    await serve_until_stopped(server, registry, "scheduler", address, {"address": address}, tasks=tasks)
+    record = {"address": address, "metrics": advertised_address(common, metrics_port) if metrics_port else ""}
+    await serve_until_stopped(server, registry, "scheduler", address, record, tasks=tasks)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from pathlib import Path
 
 import grpc
 
+from kvmesh import telemetry
+from kvmesh.metrics import WorkerMetrics, serve_metrics
 from kvmesh.params import SamplingParams
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, WorkerConfig
@@ -27,12 +30,59 @@ from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger("kvmesh.worker")
 
 
+class StepTracer:
+    """Spans of the worker's steps, made after each step's result is sent: one `kvmesh.token_step`
+    per sampled token of a traced sequence (a child of its request's span), `kvmesh.prefill_chunk`
+    for a chunk that samples nothing yet, and one `kvmesh.forward` per step linked to those requests."""
+
+    def __init__(self, worker_id: str):
+        self.tracer = telemetry.tracer("kvmesh.worker")
+        self.worker_id = worker_id
+        self.seqs: dict[str, list] = {}  # seq id -> [parent context, its span context, sampled before]
+
+    def track(self, plan: StepPlan) -> None:
+        for seq_id in plan.dropped:
+            self.seqs.pop(seq_id, None)
+        for new in plan.new:
+            self.seqs.pop(new.seq_id, None)
+            if new.traceparent:
+                ctx = telemetry.context_from_traceparent(new.traceparent)
+                self.seqs[new.seq_id] = [ctx, telemetry.span_context_from_traceparent(new.traceparent), False]
+
+    def record(self, step: int, plan: StepPlan, result, start_ns: int, end_ns: int) -> None:
+        traced = [c for c in plan.scheduled if c.seq_id in self.seqs]
+        if not traced:
+            return
+        sampled = {t.seq_id for t in result.tokens}
+        common = {"kvmesh.step": step, "kvmesh.batch_size": len(plan.scheduled), "kvmesh.step_tokens": plan.num_tokens,
+                  "kvmesh.forward_ms": result.forward_s * 1000, "kvmesh.worker_id": self.worker_id}
+        for chunk in traced:
+            state = self.seqs[chunk.seq_id]
+            if chunk.seq_id in sampled:
+                phase = "prefill" if chunk.num_tokens > 1 or not state[2] else "decode"
+                state[2] = True
+                name = "kvmesh.token_step"
+            else:
+                phase, name = "prefill", "kvmesh.prefill_chunk"
+            self.tracer.start_span(name, context=state[0], start_time=start_ns,
+                                   attributes={**common, "kvmesh.phase": phase, "kvmesh.chunk_tokens": chunk.num_tokens},
+                                   ).end(end_time=end_ns)
+        links = [telemetry.Link(self.seqs[c.seq_id][1]) for c in traced if self.seqs[c.seq_id][1] is not None]
+        self.tracer.start_span("kvmesh.forward", context=telemetry.otel_context.Context(), start_time=start_ns,
+                               links=links, attributes=common).end(end_time=end_ns)
+
+    def clear(self) -> None:
+        self.seqs.clear()
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Step: StepRequest in, StepResult out, one per step, in order. A step that raises answers
     with `error` set and the stream stays open. Info: what the scheduler needs to plan pages."""
 
     def __init__(self):
         self.runner: ModelRunner | None = None
+        self.metrics: WorkerMetrics | None = None
+        self.step_tracer: StepTracer | None = None
         # Every step runs on this one thread: torch's OpenMP pool belongs to the calling thread,
         # and steps hopping between executor threads would keep several pools alive and spinning.
         self._compute = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
@@ -45,12 +95,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._stream_owner += 1
         owner = self._stream_owner
         self.runner.seqs.clear()  # a new scheduler stream owns this worker from now on
+        self.step_tracer.clear()
         async for request in request_iterator:
             if owner != self._stream_owner:
                 await context.abort(grpc.StatusCode.ABORTED, "another scheduler stream took over this worker")
             plan = wire.plan_from_proto(request)
+            self.step_tracer.track(plan)
             try:
-                result = await asyncio.get_running_loop().run_in_executor(self._compute, self.runner.step, plan)
+                result, start_ns, end_ns = await asyncio.get_running_loop().run_in_executor(self._compute, self._step, plan)
             except Exception as e:  # one bad step must not take the worker down
                 log.exception("step %d failed", request.step)
                 for chunk in plan.scheduled:
@@ -58,6 +110,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 yield worker_pb2.StepResult(step=request.step, error=f"{type(e).__name__}: {e}")
                 continue
             yield wire.result_to_proto(request.step, result)
+            # After the result is on its way: the scheduler is busy with it meanwhile.
+            self.metrics.forward.observe(result.forward_s)
+            self.step_tracer.record(request.step, plan, result, start_ns, end_ns)
+
+    def _step(self, plan: StepPlan):
+        start_ns = time.time_ns()
+        result = self.runner.step(plan)
+        return result, start_ns, time.time_ns()
 
     async def Info(self, request, context):
         if self.runner is None:
@@ -87,13 +147,40 @@ def warm_up(runner: ModelRunner) -> None:
     runner.seqs.clear()
 
 
+def watch_memory(metrics: WorkerMetrics) -> None:
+    """Resident memory of this process; on CUDA also the device's used and total memory (pynvml)."""
+    import psutil
+
+    process = psutil.Process()
+    metrics.memory.labels(metrics.worker, "resident").set_function(lambda: process.memory_info().rss)
+    try:
+        import pynvml
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    except Exception:  # no GPU, or pynvml not installed (the `gpu` extra)
+        return
+    metrics.memory.labels(metrics.worker, "gpu_used").set_function(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    metrics.memory.labels(metrics.worker, "gpu_total").set_function(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+
+
 async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
+    import psutil
+
+    telemetry.setup_tracing("worker")
+    metrics_port = serve_metrics(common.host, cfg.metrics_port)
     service = WorkerService()
     server = ServiceServer(["kvmesh.v1.Worker"], lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(service, s),
                            common.host, cfg.port)
     await server.start()
     address = advertised_address(common, server.port)
     worker_id = cfg.worker_id or address
+    service.metrics = WorkerMetrics(worker_id)
+    service.step_tracer = StepTracer(worker_id)
+    watch_memory(service.metrics)
     log.info("worker %s listening on %s, loading model", worker_id, address)
     service.runner = runner = await asyncio.get_running_loop().run_in_executor(service._compute, load_runner, cfg)
     registry = Registry(common.redis_url)
@@ -104,6 +191,11 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
         worker_id=worker_id, model=str(model_dir or "default"), num_pages=runner.pool.num_pages, page_size=runner.page_size,
         max_context=mcfg.max_position_embeddings, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
         epoch=epoch)
-    print(f"worker {worker_id} ready on {address} ({runner.pool.num_pages} KV pages, epoch {epoch})", flush=True)
+    cold_start = time.time() - psutil.Process().create_time()
+    service.metrics.cold_start.set(cold_start)
+    print(f"worker {worker_id} ready on {address} ({runner.pool.num_pages} KV pages, epoch {epoch}, "
+          f"cold start {cold_start:.1f}s)", flush=True)
+    metrics_address = advertised_address(common, metrics_port) if metrics_port else ""
     await serve_until_stopped(server, registry, "worker", worker_id,
-                              {"address": address, "epoch": epoch, "num_pages": runner.pool.num_pages})
+                              {"address": address, "epoch": epoch, "num_pages": runner.pool.num_pages,
+                               "metrics": metrics_address})

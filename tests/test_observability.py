@@ -1,0 +1,216 @@
+"""Traces and metrics of a real mesh: an OTLP receiver in the test collects every service's spans;
+each service's /metrics is scraped over HTTP after traffic."""
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.services.launcher import free_port
+from kvmesh.v1 import generation_pb2 as gen
+from kvmesh.v1 import generation_pb2_grpc
+from local_mesh import Mesh, collect, wait_idle
+
+SERVICES = {"kvmesh-router", "kvmesh-scheduler", "kvmesh-kvcache", "kvmesh-worker"}
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace endpoint that keeps every span with its service name."""
+
+    def __init__(self):
+        self.spans = []  # (service name, span)
+        self.lock = threading.Lock()
+        self.port = free_port()
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        self.server.start()
+
+    def Export(self, request, context):
+        with self.lock:
+            for resource_spans in request.resource_spans:
+                attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                for scope in resource_spans.scope_spans:
+                    self.spans.extend((attrs.get("service.name"), s) for s in scope.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: bytes):
+        with self.lock:
+            return [(svc, s) for svc, s in self.spans if s.trace_id == trace_id]
+
+    def linked_forwards(self, trace_id: bytes):
+        """`kvmesh.forward` spans (each in a trace of its own) that link to a span of `trace_id`."""
+        with self.lock:
+            return [s for _, s in self.spans if s.name == "kvmesh.forward"
+                    and any(link.trace_id == trace_id for link in s.links)]
+
+    def wait_for(self, trace_id: bytes, until, timeout=20):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            spans = self.trace(trace_id)
+            if until(spans):
+                return spans
+            time.sleep(0.2)
+        return self.trace(trace_id)
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = Receiver()
+    yield r
+    r.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir, receiver):
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+           "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    m = Mesh(model_dir, workers=2, env=env)
+    yield m
+    m.close()
+
+
+def greedy(prompt, n):
+    return gen.GenerateRequest(prompt=prompt, sampling=gen.SamplingParams(temperature=0.0),
+                               stopping=gen.StoppingParams(max_new_tokens=n, ignore_eos=True))
+
+
+async def generate(mesh, request, metadata=()):
+    async with grpc.aio.insecure_channel(mesh.addr) as ch:
+        call = generation_pb2_grpc.GenerationStub(ch).Generate(request, metadata=metadata, timeout=60)
+        initial = dict(await call.initial_metadata())
+        tokens, finish = [], None
+        async for response in call:
+            tokens.extend(t.id for t in response.tokens)
+            if response.HasField("finish"):
+                finish = response.finish
+        return initial, tokens, finish
+
+
+def by_name(spans, name):
+    return [s for _, s in spans if s.name == name]
+
+
+def test_one_generate_is_one_trace_across_all_four_services(mesh, receiver):
+    n = 9
+    initial, tokens, finish = asyncio.run(generate(mesh, greedy("the trace follows every hop", n)))
+    assert len(tokens) == n and finish.trace_id and initial["kvmesh-trace-id"] == finish.trace_id
+    trace_id = bytes.fromhex(finish.trace_id)
+    spans = receiver.wait_for(trace_id, lambda s: len(by_name(s, "kvmesh.token_step")) >= n
+                              and len(by_name(s, "kvmesh.kv.release")) >= 1)
+    assert {svc for svc, _ in spans} == SERVICES
+    steps = by_name(spans, "kvmesh.token_step")
+    assert len(steps) == n
+    assert [dict((a.key, a.value) for a in s.attributes)["kvmesh.phase"].string_value for s in
+            sorted(steps, key=lambda s: s.start_time_unix_nano)] == ["prefill"] + ["decode"] * (n - 1)
+    for step in steps:
+        attrs = {a.key for a in step.attributes}
+        assert {"kvmesh.step", "kvmesh.batch_size", "kvmesh.step_tokens", "kvmesh.phase", "kvmesh.forward_ms"} <= attrs
+
+    # Parent links: one root (kvmesh.generate); every other span's parent is in the trace.
+    ids = {s.span_id for _, s in spans}
+    roots = [s for _, s in spans if not s.parent_span_id]
+    assert [s.name for s in roots] == ["kvmesh.generate"]
+    assert all(s.parent_span_id in ids for _, s in spans if s.parent_span_id)
+    generate_span, = by_name(spans, "kvmesh.generate")
+    schedule_span, = by_name(spans, "kvmesh.schedule")
+    assert schedule_span.parent_span_id == generate_span.span_id
+    for name in ("kvmesh.queue", "kvmesh.kv.open", "kvmesh.kv.release", "kvmesh.token_step"):
+        assert by_name(spans, name) and all(s.parent_span_id == schedule_span.span_id for s in by_name(spans, name))
+
+    # kvmesh.forward: one span per worker step, in the worker's own trace, linked to the request.
+    forwards = receiver.linked_forwards(trace_id)
+    assert len(forwards) >= n
+    assert all(f.trace_id != trace_id for f in forwards)
+
+
+def test_a_client_traceparent_becomes_the_parent_of_kvmesh_generate(mesh, receiver):
+    trace_hex, parent_hex = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    metadata = (("traceparent", f"00-{trace_hex}-{parent_hex}-01"),)
+    initial, tokens, finish = asyncio.run(generate(mesh, greedy("my own trace", 3), metadata))
+    assert finish.trace_id == trace_hex == initial["kvmesh-trace-id"]
+    spans = receiver.wait_for(bytes.fromhex(trace_hex), lambda s: len(by_name(s, "kvmesh.token_step")) >= 3)
+    generate_span, = by_name(spans, "kvmesh.generate")
+    assert generate_span.parent_span_id == bytes.fromhex(parent_hex)
+    assert len(by_name(spans, "kvmesh.token_step")) == 3
+
+
+def test_an_invalid_request_sets_the_error_status_on_its_span(mesh, receiver):
+    trace_hex = "0af7651916cd43dd8448eb211c80319c"
+    metadata = (("traceparent", f"00-{trace_hex}-b7ad6b7169203331-01"),)
+    bad = gen.GenerateRequest(prompt="x", stopping=gen.StoppingParams(max_new_tokens=10**7))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(generate(mesh, bad, metadata))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    spans = receiver.wait_for(bytes.fromhex(trace_hex), lambda s: by_name(s, "kvmesh.generate"))
+    generate_span, = by_name(spans, "kvmesh.generate")
+    assert generate_span.status.code == generate_span.status.STATUS_CODE_ERROR
+    assert "max_new_tokens" in generate_span.status.message
+
+
+def scrape(address):
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
+
+
+def total(samples, name, **labels):
+    return sum(v for l, v in samples.get(name, []) if all(l.get(k) == want for k, want in labels.items()))
+
+
+def test_after_traffic_every_service_exports_the_metrics_that_moved(mesh):
+    async def traffic():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            shared = "a shared system prompt that is long enough to fill two pages of sixteen tokens each, "
+            await asyncio.gather(*(collect(stub, greedy(shared + f"question {i}", 6)) for i in range(6)))
+            with pytest.raises(grpc.aio.AioRpcError):
+                await collect(stub, gen.GenerateRequest(prompt="x", sampling=gen.SamplingParams(temperature=-1)))
+
+    asyncio.run(traffic())
+    asyncio.run(wait_idle(mesh.kvcache_addr))
+    time.sleep(1.2)  # the scheduler refreshes its queue gauges every half second
+
+    router = scrape(mesh.child("router").http)
+    for histogram in ("kvmesh_time_to_first_token_seconds", "kvmesh_inter_token_latency_seconds",
+                      "kvmesh_time_per_output_token_seconds", "kvmesh_e2e_request_latency_seconds",
+                      "kvmesh_request_queue_time_seconds", "kvmesh_request_generation_tokens"):
+        assert total(router, histogram + "_count") >= 6, histogram
+    assert total(router, "kvmesh_request_success_total", finished_reason="length") >= 6
+    assert total(router, "kvmesh_request_failure_total", code="INVALID_ARGUMENT") >= 1
+    assert total(router, "kvmesh_generation_tokens_total") >= 36
+
+    scheduler = scrape(mesh.child("scheduler").http)
+    for histogram in ("kvmesh_step_duration_seconds", "kvmesh_batch_size", "kvmesh_step_tokens"):
+        assert total(scheduler, histogram + "_count") > 0, histogram
+    assert total(scheduler, "kvmesh_prefix_cache_queries_total") > 0
+    assert total(scheduler, "kvmesh_prefix_cache_hits_total") > 0  # later questions reuse the shared pages
+    for gauge in ("kvmesh_num_requests_running", "kvmesh_num_requests_waiting", "kvmesh_estimated_token_queue"):
+        assert len(scheduler[gauge]) == 2 and total(scheduler, gauge) == 0, gauge
+    assert len(scheduler["kvmesh_kv_pages_held_by_finished_requests"]) == 2
+    assert total(scheduler, "kvmesh_kv_pages_held_by_finished_requests") == 0
+
+    kvcache = scrape(mesh.child("kvcache").http)
+    workers = {labels["worker"] for labels, _ in kvcache["kvmesh_kv_pages_total"]}
+    assert workers == {"worker-0", "worker-1"}
+    for w in workers:
+        parts = sum(total(kvcache, f"kvmesh_kv_pages_{k}", worker=w) for k in ("used", "free", "cached"))
+        assert parts == total(kvcache, "kvmesh_kv_pages_total", worker=w) > 0
+        assert total(kvcache, "kvmesh_kv_pages_used", worker=w) == 0
+    assert total(kvcache, "kvmesh_kv_pages_cached") > 0
+
+    for name in ("worker-0", "worker-1"):
+        worker = scrape(mesh.child(name).http)
+        assert total(worker, "kvmesh_forward_seconds_count", worker=name) > 0
+        assert total(worker, "kvmesh_worker_memory_bytes", worker=name, kind="resident") > 50 << 20
+        assert total(worker, "kvmesh_worker_cold_start_seconds", worker=name) > 0
