@@ -34,7 +34,7 @@ async def start_http(service, host: str, port: int) -> tuple[web.AppRunner, int]
     """Serves the app on host:port (0 picks a free port); None when port is -1."""
     if port < 0:
         return None
-    runner = web.AppRunner(build_app(service), access_log=None)
+    runner = web.AppRunner(build_app(service), access_log=None, handler_cancellation=True)  # a client that leaves cancels at once
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

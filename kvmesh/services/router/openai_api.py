@@ -236,6 +236,7 @@ class OpenAIApi:
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, http: web.Request) -> web.Response:
+        """The served model's card; 404 for any other name."""
         if (refused := self._unauthorized(http)) is not None:
             return refused
         name = http.match_info["model"]
@@ -282,7 +283,8 @@ class OpenAIApi:
             await stream.aclose()  # at once: cancels the request upstream if it is still running
 
     def _head(self, shape, call: _Call, chunk: bool) -> dict:
-        return {"id": shape.id_prefix + call.request.request_id, "object": shape.chunk_object if chunk else shape.object,
+        return {"id": shape.id_prefix + call.request.request_id,
+                "object": shape.chunk_object if chunk else shape.object,
                 "created": call.created, "model": self.service.cfg.model_name}
 
     async def _complete(self, shape, call: _Call, stream, headers: dict[str, str]) -> web.Response:
@@ -293,13 +295,14 @@ class OpenAIApi:
                 finish = out.finish
         reason = _finish_reason(finish)
         logprobs = shape.logprobs(tokens, 0) if call.logprobs else None
-        body = {**self._head(shape, call, chunk=False), "choices": [shape.choice("".join(t.text for t in tokens), logprobs, reason)],
-                "usage": _usage(finish)}
+        choice = shape.choice("".join(t.text for t in tokens), logprobs, reason)
+        body = {**self._head(shape, call, chunk=False), "choices": [choice], "usage": _usage(finish)}
         return web.json_response(body, headers=headers)
 
     async def _stream(self, http, shape, call: _Call, stream, headers: dict[str, str]) -> web.StreamResponse:
         first = await anext(stream, None)  # an error before any output is a plain HTTP error
-        response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = web.StreamResponse(
+            headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(http)
         try:
             try:
@@ -310,7 +313,7 @@ class OpenAIApi:
                 await _send(response, e.body())
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
-            async for _ in stream: pass  # the client left; the caller closes `stream`, which cancels the request upstream
+            pass  # the client left; the caller closes `stream`, which cancels the request upstream
         return response
 
     async def _relay(self, response: web.StreamResponse, shape, call: _Call, first, stream) -> None:
@@ -343,7 +346,8 @@ class OpenAIApi:
             raise bad_request("best_of", "only 1 is supported")
         logprobs = f.integer("logprobs")
         if logprobs not in (None, 0):
-            raise bad_request("logprobs", f"only 0 is supported (the sampled token's logprob; alternatives are not computed), got {logprobs}")
+            raise bad_request("logprobs", "only 0 is supported (the sampled token's logprob; alternatives are "
+                                          f"not computed), got {logprobs}")
         request = _generate_request(f, "max_tokens")
         _set_prompt(f, request)
         return _call(f, request, logprobs is not None, {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"})
@@ -355,9 +359,11 @@ class OpenAIApi:
             raise bad_request("top_logprobs", f"only 0 is supported (alternatives are not computed), got {top}")
         ids = _chat_prompt_ids(self.service.tokenizer, f)
         max_name = "max_completion_tokens" if f.body.get("max_completion_tokens") is not None else "max_tokens"
-        request = _generate_request(f, max_name, default_max=max(1, self.service.model.max_position_embeddings - len(ids)))
+        rest_of_context = max(1, self.service.model.max_position_embeddings - len(ids))
+        request = _generate_request(f, max_name, default_max=rest_of_context)
         request.prompt_token_ids.ids.extend(ids)
-        return _call(f, request, logprobs, {"max_new_tokens": max_name, "prompt": "messages", "prompt_token_ids": "messages"})
+        renames = {"max_new_tokens": max_name, "prompt": "messages", "prompt_token_ids": "messages"}
+        return _call(f, request, logprobs, renames)
 
 
 def _reject_unsupported(f: _Fields) -> None:
