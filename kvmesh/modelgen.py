@@ -20,12 +20,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")  # torch is imported only to write weights: `kvmesh --help` stays fast
 
 # Keyword arguments of `make_model` for each named size.
 SIZES: dict[str, dict[str, int]] = {
@@ -94,6 +92,8 @@ def make_model(
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]})
+    from safetensors.torch import save_file
+
     save_file(random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     train_tokenizer(vocab_size, arch).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_config(max_position_embeddings))
@@ -199,10 +199,12 @@ def num_parameters(config: dict) -> int:
     return total
 
 
-def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Weights for `config`: normal(0, 0.02), norm weights 1, reproducible from `seed`."""
+def random_weights(config: dict, seed: int) -> dict:
+    """Weights for `config` (name -> torch.Tensor): normal(0, 0.02), norm weights 1, reproducible from `seed`."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
-    dtype = DTYPES[config["dtype"]]
+    dtype = getattr(torch, config["dtype"])
     weights = {}
     # Draw in float32 and in weight_shapes' fixed order, so every dtype shares the same values.
     for name, shape in weight_shapes(config).items():
