@@ -106,8 +106,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from kvmesh.services.launcher import up
+    from kvmesh.services.router.pools import parse_models
 
-    return up(str(args.model) if args.model else None, args.workers, args.redis_url, args.port, args.batching, args.http_port)
+    if not args.model:
+        model = None
+    elif len(args.model) == 1 and "=" not in args.model[0]:
+        model = args.model[0]
+    else:
+        try:
+            model = parse_models(",".join(args.model), "default")
+        except ValueError as e:
+            print(f"kvmesh up: error: --model: {e}", file=sys.stderr)
+            return 2
+    return up(model, args.workers, args.redis_url, args.port, args.batching, args.http_port, args.autoscale)
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    """Starts, shows or aborts a model pool's canary rollout; the state lives in Redis, where the
+    pool's scheduler drives it and every router reads the traffic split."""
+    import asyncio
+
+    from kvmesh.services import rollout_admin
+
+    try:
+        return asyncio.run(rollout_admin.run(args))
+    except ValueError as e:
+        print(f"kvmesh rollout {args.action}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -185,14 +210,29 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("up", help="run a whole local mesh (Redis, kvcache, scheduler, workers, router)")
-    p.add_argument("--model", type=Path, help="checkpoint folder (default: the generated default model)")
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--model", action="append", metavar="DIR|NAME=DIR",
+                   help="checkpoint folder (default: the generated default model); NAME=DIR, repeated, starts one pool per model")
+    p.add_argument("--workers", type=int, default=1, help="workers per pool")
+    p.add_argument("--autoscale", action="store_true",
+                   help="start and stop workers to the count each pool's scheduler asks for (token queue, TTFT SLO, warm pool)")
     p.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
     p.add_argument("--port", type=int, default=50051, help="router gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="router HTTP port (OpenAI-compatible API, /metrics)")
     p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
                    help="scheduler batching mode (static: the baseline, a batch runs until its longest request ends)")
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("rollout", help="canary rollouts of a model pool: start, status, abort")
+    p.add_argument("action", choices=["start", "status", "abort"])
+    p.add_argument("--model", required=True, help="the pool (model name)")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--canary", help="start: the new version")
+    p.add_argument("--stable", help="start: the version serving now (default: the pool's only other ready version)")
+    p.add_argument("--steps", default="1,5,25,50,100", help="start: canary traffic percents, the last 100")
+    p.add_argument("--interval", default="60s", help="start: how long each step must stay healthy (e.g. 60s, 5m)")
+    p.add_argument("--min-requests", type=int, default=20, help="start: canary requests a window needs before advancing")
+    p.add_argument("--reason", default="aborted by hand", help="abort: recorded in the history")
+    p.set_defaults(func=cmd_rollout)
 
     p = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
     p.add_argument("addr", help="host:port of any kvmesh service")

@@ -70,6 +70,11 @@ class SchedulerMetrics:
         self.orphaned_pages = Gauge("kvmesh_kv_pages_held_by_finished_requests",
                                     "KV pages held by sequences that are no longer running or waiting; must be 0.",
                                     w, registry=registry)
+        self.desired_workers = Gauge("kvmesh_desired_workers",
+                                     "Workers the pool should run (token queue, TTFT p95 guardrail, warm pool): for an HPA or KEDA.",
+                                     ("pool",), registry=registry)
+        self.drained = Counter("kvmesh_workers_drained", "Workers drained after failing health checks.",
+                               ("pool",), registry=registry)
         self.step = Histogram("kvmesh_step_duration_seconds", "One batch step, scheduler to worker and back.",
                               w, buckets=STEP_BUCKETS, registry=registry)
         self.batch_size = Histogram("kvmesh_batch_size", "Sequences in one step.", w, buckets=BATCH_BUCKETS,

@@ -62,3 +62,4 @@ class SampledToken:
 class StepResult:
     tokens: list[SampledToken]
     forward_s: float = 0.0
+    failed: list[str] = field(default_factory=list)  # sequences that failed alone; no token for them

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import time
 
 import grpc
@@ -16,7 +17,8 @@ class Mesh:
 
     def __init__(self, model_dir, workers=2, extra_worker=(), extra_scheduler=(), extra_router=(), env=None):
         self.port = free_port()
-        self.children, self.redis, self.redis_url = launch(str(model_dir), workers, None, self.port,
+        model = model_dir if isinstance(model_dir, list) else str(model_dir)  # a list: [(pool, folder)]
+        self.children, self.redis, self.redis_url = launch(model, workers, None, self.port,
                                                            extra_worker=["--kv-memory-mib", "4", *extra_worker],
                                                            extra_scheduler=list(extra_scheduler),
                                                            extra_router=list(extra_router), env=env)
@@ -25,6 +27,10 @@ class Mesh:
 
     def child(self, name):
         return next(c for c in self.children if c.name == name)
+
+    @property
+    def log_dir(self):
+        return os.path.dirname(self.children[0].log_path)
 
     def close(self):
         stop(self.children, self.redis)

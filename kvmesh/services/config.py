@@ -77,6 +77,15 @@ class WorkerConfig:
     kv_memory_mib: int = dataclasses.field(default=1024, metadata=_help("KV cache memory"))
     page_size: int = dataclasses.field(default=16, metadata=_help("tokens per KV page"))
     threads: int = dataclasses.field(default=0, metadata=_help("torch threads (0: one per core)"))
+    pool: str = dataclasses.field(default="default", metadata=_help("model pool (the model name clients ask for)"))
+    version: str = dataclasses.field(default="v1", metadata=_help("model version within the pool (canary rollouts split traffic by version)"))
+    fault_rate: float = dataclasses.field(default=0.0, metadata=_help("TESTING ONLY: fail this fraction of requests (chosen by a hash of the request id) at their first token"))
+
+    def __post_init__(self):
+        if not 0.0 <= self.fault_rate <= 1.0:
+            raise ValueError(f"fault_rate must be between 0 and 1, got {self.fault_rate}")
+        if not self.pool or not self.version:
+            raise ValueError("pool and version must not be empty")
     metrics_port: int = dataclasses.field(default=9104, metadata=_help("Prometheus /metrics HTTP port (0: pick a free one; -1: off)"))
 
 
@@ -84,6 +93,18 @@ class WorkerConfig:
 class SchedulerServiceConfig:
     port: int = dataclasses.field(default=50052, metadata=_help("gRPC port (0: pick a free one)"))
     metrics_port: int = dataclasses.field(default=9102, metadata=_help("Prometheus /metrics HTTP port (0: pick a free one; -1: off)"))
+    pool: str = dataclasses.field(default="default", metadata=_help("the model pool whose workers this scheduler batches for"))
+    health_check_interval_s: float = dataclasses.field(default=30.0, metadata=_help("inference and memory check of every worker this often (0: off)"))
+    health_check_failures: int = dataclasses.field(default=3, metadata=_help("consecutive failed checks that drain and replace a worker"))
+    memory_limit_fraction: float = dataclasses.field(default=0.95, metadata=_help("memory check: fail above this fraction of the worker's memory (device memory on CUDA)"))
+    admission_ramp_s: float = dataclasses.field(default=10.0, metadata=_help("a worker that joins later takes up to max_num_seqs over this long (0: at once)"))
+    autoscale_tokens_per_worker: int = dataclasses.field(default=4000, metadata=_help("autoscaling: estimated queued tokens one worker absorbs"))
+    autoscale_ttft_slo_s: float = dataclasses.field(default=2.0, metadata=_help("autoscaling: add a worker while TTFT p95 is above this"))
+    autoscale_rate_per_worker: float = dataclasses.field(default=1.0, metadata=_help("autoscaling: requests/s one worker sustains"))
+    autoscale_peak_rate: float = dataclasses.field(default=0.0, metadata=_help("autoscaling: peak requests/s expected; sizes the warm pool"))
+    autoscale_min_workers: int = dataclasses.field(default=1, metadata=_help("autoscaling: fewest workers"))
+    autoscale_max_workers: int = dataclasses.field(default=8, metadata=_help("autoscaling: most workers"))
+    autoscale_scale_down_delay_s: float = dataclasses.field(default=300.0, metadata=_help("autoscaling: a lower count must hold this long before scaling down"))
     max_batched_tokens: int = dataclasses.field(default=1024, metadata=_help("tokens per step"))
     max_num_seqs: int = dataclasses.field(default=128, metadata=_help("running sequences per worker"))
     victim_policy: str = dataclasses.field(default="newest", metadata=_help("newest, priority or size"))
@@ -107,6 +128,20 @@ class SchedulerServiceConfig:
         if self.max_queue_len < 1 or self.max_queue_wait_s < 0:
             raise ValueError(f"max_queue_len must be >= 1 and max_queue_wait_s >= 0, got {self.max_queue_len} and {self.max_queue_wait_s}")
         PlacementConfig(self.worker_choice, self.prefill_weight, self.load_weight, self.balance_ratio, self.balance_slack_pages)
+        if self.health_check_interval_s < 0 or self.health_check_failures < 1:
+            raise ValueError(f"health_check_interval_s must be >= 0 and health_check_failures >= 1, "
+                             f"got {self.health_check_interval_s} and {self.health_check_failures}")
+        if not 0 < self.memory_limit_fraction <= 1 or self.admission_ramp_s < 0:
+            raise ValueError(f"memory_limit_fraction must be in (0, 1] and admission_ramp_s >= 0, "
+                             f"got {self.memory_limit_fraction} and {self.admission_ramp_s}")
+        self.autoscale_policy()
+
+    def autoscale_policy(self):
+        from kvmesh.fleet.autoscale import AutoscalePolicy
+
+        return AutoscalePolicy(self.autoscale_tokens_per_worker, self.autoscale_ttft_slo_s, self.autoscale_rate_per_worker,
+                               self.autoscale_peak_rate, self.autoscale_min_workers, self.autoscale_max_workers,
+                               self.autoscale_scale_down_delay_s)
 
     def core_config(self):
         from kvmesh.services.scheduler.core import SchedulerConfig
@@ -124,10 +159,18 @@ class KVCacheServiceConfig:
 @dataclass(frozen=True)
 class RouterConfig:
     port: int = dataclasses.field(default=50051, metadata=_help("gRPC port (0: pick a free one)"))
-    model: str = dataclasses.field(default="", metadata=_help("checkpoint folder whose tokenizer the router uses (default model if empty)"))
-    model_name: str = dataclasses.field(default="default", metadata=_help("the name clients use in GenerateRequest.model"))
+    model: str = dataclasses.field(default="", metadata=_help("the pools' checkpoint folders (their tokenizers): DIR, or NAME=DIR[,NAME=DIR...] for several pools (default: the default model)"))
+    model_name: str = dataclasses.field(default="default", metadata=_help("the pool name clients use in GenerateRequest.model when --model is a plain DIR"))
+    no_worker_wait_s: float = dataclasses.field(default=5.0, metadata=_help("a request for a pool with no ready worker waits this long, then UNAVAILABLE"))
     http_port: int = dataclasses.field(default=8000, metadata=_help("HTTP port: OpenAI-compatible API, /health, /ready, /metrics (0: pick a free one; -1: off)"))
     api_keys: str = dataclasses.field(default="", metadata=_help("comma-separated API keys; when set, callers must send `authorization: Bearer KEY` (HTTP header or gRPC metadata)"))
+
+    def __post_init__(self):
+        from kvmesh.services.router.pools import parse_models
+
+        parse_models(self.model, self.model_name)
+        if self.no_worker_wait_s < 0:
+            raise ValueError(f"no_worker_wait_s must be >= 0, got {self.no_worker_wait_s}")
 
     def api_key_set(self) -> frozenset[str]:
         return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())

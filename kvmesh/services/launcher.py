@@ -32,6 +32,18 @@ class Child:
     address: str  # gRPC
     process: subprocess.Popen
     http: str  # /metrics (and, on the router, the HTTP API)
+    service: str = ""
+    pool: str = ""
+    argv: tuple[str, ...] = ()  # to start it again
+    log_path: str = ""
+    env: dict | None = None
+    retired: bool = False  # stopped on purpose (autoscaling down): not restarted
+
+    def start(self) -> None:
+        """(Re)starts the process with the same command line, appending to the same log."""
+        log = open(self.log_path, "a")
+        self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
 
 
 def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
@@ -95,10 +107,16 @@ def serve_command(service: str, redis_url: str, port: int, *extra: str) -> list[
     return [sys.executable, "-m", "kvmesh.cli", "serve", service, "--redis-url", redis_url, "--port", str(port), *extra]
 
 
-def launch(model: str | None, workers: int, redis_url: str | None, port: int, extra_worker: list[str] = (),
+Pools = list[tuple[str, str | None]]  # (pool name, checkpoint folder or None for the default model)
+
+
+def launch(model: "str | None | Pools", workers: int, redis_url: str | None, port: int, extra_worker: list[str] = (),
            extra_scheduler: list[str] = (), log_dir: str | None = None, http_port: int | None = None,
            extra_router: list[str] = (), env: dict[str, str] | None = None) -> tuple[list[Child], subprocess.Popen | None, str]:
     """Starts the mesh and waits until it is ready; returns the children, redis and its URL.
+
+    `model` is one checkpoint folder (None: the default model) served as pool `default`, or a
+    list of (pool name, folder): one scheduler and `workers` workers per pool, one router for all.
     Every service gets a free /metrics port; the router's HTTP port is `http_port` (None: a free one).
     `env` adds variables to the services' environment (OTEL_* settings, for one)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvmesh-up-")
@@ -107,28 +125,49 @@ def launch(model: str | None, workers: int, redis_url: str | None, port: int, ex
         redis_port = free_port()
         redis_proc = start_redis(redis_port, log_dir)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    model_flags = ["--model", model] if model else []
-    plan = [("kvcache", free_port(), [], 30), ("scheduler", free_port(), list(extra_scheduler), 30)]
-    plan += [(f"worker-{i}", free_port(), [*model_flags, "--worker-id", f"worker-{i}", *extra_worker], 300) for i in range(workers)]
-    plan += [("router", port, [*model_flags, *extra_router], 120)]
-    children: list[Child] = []
+    pools: Pools = model if isinstance(model, list) else [("default", model)]
+    single = len(pools) == 1 and pools[0][0] == "default"
     env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
+    children: list[Child] = []
     try:
-        for name, p, extra, timeout in plan:
-            service = name.split("-")[0]
-            http = (http_port or free_port()) if service == "router" else free_port()
-            http_flag = "--http-port" if service == "router" else "--metrics-port"
-            log = open(os.path.join(log_dir, f"{name}.log"), "w")
-            proc = subprocess.Popen(serve_command(service, redis_url, p, http_flag, str(http), *extra),
-                                    stdout=log, stderr=subprocess.STDOUT, env=env)
-            children.append(Child(name, f"127.0.0.1:{p}", proc, f"127.0.0.1:{http}"))
-        for child, (_, _, _, timeout) in zip(children, plan):
-            wait_serving(child.address, timeout, child.process)
-        wait_scheduled(redis_url, workers, timeout_s=60)
+        children.append(_spawn("kvcache", "kvcache", "", redis_url, free_port(), [], log_dir, env))
+        for name, _ in pools:
+            children.append(_spawn("scheduler" if single else f"scheduler-{name}", "scheduler", name, redis_url,
+                                   free_port(), ["--pool", name, *extra_scheduler], log_dir, env))
+        for name, folder in pools:
+            for i in range(workers):
+                children.append(worker_child(name, i, folder, redis_url, log_dir, env, list(extra_worker), single))
+        router_model = (pools[0][1] or "") if single else ",".join(f"{n}={f}" for n, f in pools if f)
+        if not single and any(f is None for _, f in pools):
+            raise ValueError("several pools need a checkpoint folder each (NAME=DIR)")
+        children.append(_spawn("router", "router", "", redis_url, port, [*(["--model", router_model] if router_model else []),
+                                                                         *extra_router], log_dir, env, http_port))
+        for child in children:
+            wait_serving(child.address, {"worker": 300, "router": 120}.get(child.service, 30), child.process)
+        wait_scheduled(redis_url, workers * len(pools), timeout_s=60)
     except BaseException:
         stop(children, redis_proc)
         raise
     return children, redis_proc, redis_url
+
+
+def worker_child(pool: str, index: int, folder: str | None, redis_url: str, log_dir: str, env: dict,
+                 extra: list[str], single: bool) -> Child:
+    """Starts worker `index` of a pool (named worker-N in a one-pool mesh, POOL-worker-N otherwise)."""
+    name = f"worker-{index}" if single else f"{pool}-worker-{index}"
+    flags = [*(["--model", folder] if folder else []), "--pool", pool, "--worker-id", name, *extra]
+    return _spawn(name, "worker", pool, redis_url, free_port(), flags, log_dir, env)
+
+
+def _spawn(name: str, service: str, pool: str, redis_url: str, port: int, extra: list[str], log_dir: str, env: dict,
+           http_port: int | None = None) -> Child:
+    http = (http_port or free_port()) if service == "router" else free_port()
+    http_flag = "--http-port" if service == "router" else "--metrics-port"
+    argv = tuple(serve_command(service, redis_url, port, http_flag, str(http), *extra))
+    child = Child(name, f"127.0.0.1:{port}", None, f"127.0.0.1:{http}", service, pool, argv,
+                  os.path.join(log_dir, f"{name}.log"), env)
+    child.start()
+    return child
 
 
 def stop(children: list[Child], redis_proc: subprocess.Popen | None) -> None:
@@ -145,19 +184,134 @@ def stop(children: list[Child], redis_proc: subprocess.Popen | None) -> None:
         redis_proc.wait(timeout=10)
 
 
-def up(model: str | None, workers: int, redis_url: str | None, port: int, batching: str = "continuous",
-       http_port: int = 8000) -> int:
+class Supervisor:
+    """What `kvmesh up` does while the mesh runs, one `poll()` at a time:
+    - a worker that exits is started again, after an exponential backoff with full jitter;
+    - a worker the scheduler drained (its drain key in Redis) is killed (it may hang) and replaced;
+    - with `autoscale`, each pool gets the worker count its scheduler asks for (the
+      `desired_workers` of its queue state): one cold start at a time, and only idle workers stop.
+    Any other service exiting is fatal: `poll()` returns a message and the caller stops everything."""
+
+    def __init__(self, children: list[Child], redis_url: str, log_dir: str, autoscale: bool = False,
+                 extra_worker: list[str] = (), folders: dict[str, str | None] | None = None):
+        import random
+
+        import redis
+
+        self.children = children
+        self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.redis_url, self.log_dir, self.autoscale = redis_url, log_dir, autoscale
+        self.extra_worker = list(extra_worker)
+        self.folders = folders or {}
+        self.rng = random.Random()
+        self.restarts: dict[str, tuple[int, float]] = {}  # worker name -> (attempts, restart at)
+        self.started_at: dict[str, float] = {}
+        self.events: list[str] = []  # what it did, for the console and for tests
+        self.single = any(c.name == "scheduler" for c in children)  # one `default` pool: workers are worker-N
+
+    def workers(self, pool: str | None = None) -> list[Child]:
+        return [c for c in self.children if c.service == "worker" and (pool is None or c.pool == pool)]
+
+    def poll(self) -> str | None:
+        for child in self.children:
+            if child.service != "worker" and child.process.poll() is not None:
+                return f"{child.name} exited with code {child.process.returncode}; see {self.log_dir}"
+        self._replace_drained()
+        self._restart_exited()
+        if self.autoscale:
+            self._scale()
+        return None
+
+    def _note(self, text: str) -> None:
+        self.events.append(text)
+        print(text, flush=True)
+
+    def _replace_drained(self) -> None:
+        from kvmesh.services.registry import drain_key
+
+        for child in self.workers():
+            reason = self.redis.get(drain_key(child.name))
+            if reason and child.process.poll() is None and child.name not in self.restarts:
+                child.process.kill()  # SIGKILL works on a stopped (hung) process too
+                child.process.wait()
+                self.redis.delete(drain_key(child.name))
+                self._note(f"{child.name} was drained ({reason}): replacing it")
+
+    def _restart_exited(self) -> None:
+        from kvmesh.fleet.health import backoff_delay
+
+        now = time.monotonic()
+        for child in self.workers():
+            if child.process.poll() is None:
+                if now - self.started_at.get(child.name, 0) > 120:
+                    self.restarts.pop(child.name, None)  # ran long enough: the next failure starts over
+                continue
+            if child.retired:
+                continue
+            attempts, at = self.restarts.get(child.name, (0, None))
+            if at is None:
+                at = now + backoff_delay(attempts, 1.0, 30.0, self.rng)
+                self.restarts[child.name] = (attempts, at)
+            elif now >= at:
+                child.start()
+                self.started_at[child.name] = now
+                self.restarts[child.name] = (attempts + 1, None)
+                self._note(f"{child.name} restarted (attempt {attempts + 1})")
+
+    def _queue_states(self) -> dict[str, dict]:
+        import json
+
+        from kvmesh.services.registry import QUEUE_STATE_PATTERN
+
+        keys = list(self.redis.scan_iter(QUEUE_STATE_PATTERN))
+        states = [json.loads(v) for v in self.redis.mget(keys) if v] if keys else []
+        return {s.get("pool", "default"): s for s in states}
+
+    def _scale(self) -> None:
+        for pool, state in self._queue_states().items():
+            live = [c for c in self.workers(pool) if not c.retired]
+            desired = state.get("autoscale", {}).get("desired_workers", len(live))
+            ready = {w for w, info in state["workers"].items() if info["alive"]}
+            starting = [c for c in live if c.name not in ready]
+            if desired > len(live) and not starting:
+                self._add_worker(pool, state["autoscale"]["reason"])
+            elif desired < len(live) and not starting:
+                idle = [c for c in reversed(live) if not state["workers"].get(c.name, {}).get("running")
+                        and not state["workers"].get(c.name, {}).get("waiting")]
+                if idle:
+                    idle[0].retired = True
+                    idle[0].process.terminate()
+                    self._note(f"autoscale {pool}: stopping idle {idle[0].name} ({len(live) - 1} workers; "
+                               f"{state['autoscale']['reason']})")
+
+    def _add_worker(self, pool: str, reason: str) -> None:
+        names = {c.name for c in self.workers()}
+        index = next(i for i in range(10_000) if (f"worker-{i}" if self.single else f"{pool}-worker-{i}") not in names)
+        env = next((c.env for c in self.children if c.env), None)
+        child = worker_child(pool, index, self.folders.get(pool), self.redis_url, self.log_dir, env, self.extra_worker,
+                             self.single)
+        self.children.append(child)
+        self.started_at[child.name] = time.monotonic()
+        self._note(f"autoscale {pool}: starting {child.name} ({reason})")
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+def up(model: "str | None | Pools", workers: int, redis_url: str | None, port: int, batching: str = "continuous",
+       http_port: int = 8000, autoscale: bool = False, extra_scheduler: list[str] = ()) -> int:
     print("starting the kvmesh mesh (the first start generates the default model)...", flush=True)
     log_dir = tempfile.mkdtemp(prefix="kvmesh-up-")
-    children, redis_proc, redis_url = launch(model, workers, redis_url, port, log_dir=log_dir,
-                                             extra_scheduler=["--batching", batching], http_port=http_port)
+    children, redis_proc, redis_url = launch(model, workers, redis_url, port, log_dir=log_dir, http_port=http_port,
+                                             extra_scheduler=["--batching", batching, *extra_scheduler])
     print(f"redis      {redis_url}")
     for child in children:
         print(f"{child.name:<10} gRPC {child.address}   metrics http://{child.http}/metrics")
     print(f"logs       {log_dir}")
-    print(f'\nready. try:\n  kvmesh generate --addr 127.0.0.1:{port} --max-new-tokens 32 "Once upon a time"\n'
+    first = model[0][0] if isinstance(model, list) else "default"
+    print(f'\nready. try:\n  kvmesh generate --addr 127.0.0.1:{port} --model {first} --max-new-tokens 32 "Once upon a time"\n'
           f'  curl http://127.0.0.1:{http_port}/v1/completions -H "Content-Type: application/json" '
-          f"""-d '{{"model": "default", "prompt": "Once upon a time", "max_tokens": 32}}'\n"""
+          f"""-d '{{"model": "{first}", "prompt": "Once upon a time", "max_tokens": 32}}'\n"""
           "Ctrl-C stops every service.", flush=True)
     stopping = False
 
@@ -167,13 +321,15 @@ def up(model: str | None, workers: int, redis_url: str | None, port: int, batchi
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    folders = dict(model) if isinstance(model, list) else {"default": model}
+    supervisor = Supervisor(children, redis_url, log_dir, autoscale, folders=folders)
     try:
         while not stopping:
-            dead = [c for c in children if c.process.poll() is not None]
-            if dead:
-                print(f"{dead[0].name} exited with code {dead[0].process.returncode}; see {log_dir}", file=sys.stderr)
+            if (fatal := supervisor.poll()) is not None:
+                print(fatal, file=sys.stderr)
                 break
             time.sleep(0.5)
     finally:
+        supervisor.close()
         stop(children, redis_proc)
     return 0

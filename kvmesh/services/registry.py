@@ -33,6 +33,20 @@ def service_key(kind: str, instance_id: str) -> str:
     return f"{PREFIX}svc:{kind}:{instance_id}"
 
 
+def rollout_key(model: str) -> str:
+    """A model pool's canary rollout state (JSON of kvmesh.fleet.rollout.RolloutState)."""
+    return f"{PREFIX}rollout:{model}"
+
+
+def drain_key(worker_id: str) -> str:
+    """Set (to the reason) when the scheduler drained a worker: `kvmesh up` replaces the process,
+    and the worker itself turns NOT_SERVING and exits when it still can."""
+    return f"{PREFIX}drain:{worker_id}"
+
+
+DRAIN_PATTERN = drain_key("*")
+
+
 class Registry:
     """Registers this process and finds the others. All methods are coroutines."""
 
@@ -68,6 +82,45 @@ class Registry:
             return []
         values = await self.redis.mget(keys)
         return sorted((json.loads(v) for v in values if v), key=lambda r: r["id"])
+
+    async def rollout(self, model: str) -> dict | None:
+        value = await self.redis.get(rollout_key(model))
+        return json.loads(value) if value else None
+
+    async def replace_rollout(self, model: str, expected: dict | None, new: dict) -> bool:
+        """Writes `new` only if the stored state is still `expected` (None: absent); False if it changed."""
+        key = rollout_key(model)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(key)
+                current = await pipe.get(key)
+                if (json.loads(current) if current else None) != expected:
+                    return False
+                pipe.multi()
+                pipe.set(key, json.dumps(new))
+                await pipe.execute()
+                return True
+            except aioredis.WatchError:
+                return False
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        """A leader lease (one holder among replicas): taken if free, renewed if ours."""
+        key = f"{PREFIX}lease:{name}"
+        if await self.redis.set(key, holder, nx=True, px=int(ttl_s * 1000)):
+            return True
+        if await self.redis.get(key) == holder:
+            await self.redis.pexpire(key, int(ttl_s * 1000))
+            return True
+        return False
+
+    async def mark_drained(self, worker_id: str, reason: str) -> None:
+        await self.redis.set(drain_key(worker_id), reason, ex=3600)
+
+    async def drained(self, worker_id: str) -> str | None:
+        return await self.redis.get(drain_key(worker_id))
+
+    async def clear_drained(self, worker_id: str) -> None:
+        await self.redis.delete(drain_key(worker_id))
 
     async def next_epoch(self, worker_id: str) -> int:
         return int(await self.redis.incr(f"{PREFIX}worker:{worker_id}:epoch"))

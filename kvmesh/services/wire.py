@@ -63,9 +63,10 @@ def plan_from_proto(m: wk.StepRequest) -> StepPlan:
 
 
 def result_to_proto(step: int, r: StepResult) -> wk.StepResult:
-    return wk.StepResult(step=step, forward_ms=r.forward_s * 1000,
+    return wk.StepResult(step=step, forward_ms=r.forward_s * 1000, failed=r.failed,
                          tokens=[wk.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob) for t in r.tokens])
 
 
 def result_from_proto(m: wk.StepResult) -> StepResult:
-    return StepResult([SampledToken(t.seq_id, t.token_id, t.logprob) for t in m.tokens], m.forward_ms / 1000)
+    return StepResult([SampledToken(t.seq_id, t.token_id, t.logprob) for t in m.tokens], m.forward_ms / 1000,
+                      list(m.failed))

@@ -87,7 +87,7 @@ class Token(_message.Message):
     def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "total_ms", "message", "trace_id", "worker_id", "preemptions")
+    __slots__ = ("reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "total_ms", "message", "trace_id", "worker_id", "preemptions", "model_version")
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class Finish(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -110,7 +111,8 @@ class Finish(_message.Message):
     trace_id: str
     worker_id: str
     preemptions: int
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., message: _Optional[str] = ..., trace_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    model_version: str
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., message: _Optional[str] = ..., trace_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., preemptions: _Optional[int] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("tokens", "finish", "request_id")
@@ -126,15 +128,27 @@ class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ModelVersion(_message.Message):
+    __slots__ = ("version", "ready_workers", "traffic_percent")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    READY_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    ready_workers: int
+    traffic_percent: float
+    def __init__(self, version: _Optional[str] = ..., ready_workers: _Optional[int] = ..., traffic_percent: _Optional[float] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "ready_workers", "max_context")
+    __slots__ = ("name", "ready_workers", "max_context", "versions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     READY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     ready_workers: int
     max_context: int
-    def __init__(self, name: _Optional[str] = ..., ready_workers: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[ModelVersion]
+    def __init__(self, name: _Optional[str] = ..., ready_workers: _Optional[int] = ..., max_context: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[ModelVersion, _Mapping]]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -8,21 +8,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "priority", "version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     stopping: _generation_pb2.StoppingParams
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_generation_pb2.StoppingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    version: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_generation_pb2.StoppingParams, _Mapping]] = ..., priority: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_prompt_tokens", "queue_ms", "worker_id", "message", "preemptions")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_prompt_tokens", "queue_ms", "worker_id", "message", "preemptions", "version")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +33,7 @@ class TokenEvent(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _generation_pb2.FinishReason
@@ -39,4 +42,5 @@ class TokenEvent(_message.Message):
     worker_id: str
     message: str
     preemptions: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., message: _Optional[str] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    version: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., message: _Optional[str] = ..., preemptions: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...

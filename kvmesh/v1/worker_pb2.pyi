@@ -58,23 +58,25 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "tokens", "forward_ms", "error")
+    __slots__ = ("step", "tokens", "forward_ms", "error", "failed")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     step: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_ms: float
     error: str
-    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    failed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "num_pages", "page_size", "max_context", "vocab_size", "eos_token_ids", "epoch")
+    __slots__ = ("worker_id", "model", "num_pages", "page_size", "max_context", "vocab_size", "eos_token_ids", "epoch", "pool", "version", "check_prompt", "check_answer", "memory_used_bytes", "memory_total_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +85,12 @@ class WorkerInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECK_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     num_pages: int
@@ -91,4 +99,10 @@ class WorkerInfo(_message.Message):
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    pool: str
+    version: str
+    check_prompt: _containers.RepeatedScalarFieldContainer[int]
+    check_answer: _containers.RepeatedScalarFieldContainer[int]
+    memory_used_bytes: int
+    memory_total_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., pool: _Optional[str] = ..., version: _Optional[str] = ..., check_prompt: _Optional[_Iterable[int]] = ..., check_answer: _Optional[_Iterable[int]] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...

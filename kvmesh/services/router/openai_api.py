@@ -229,25 +229,25 @@ class OpenAIApi:
         return await self._serve(http, _ChatCompletion, self._chat_call)
 
     async def models(self, http: web.Request) -> web.Response:
-        """The served model, while it has a ready worker (as the gRPC ListModels)."""
+        """The model pools that have a ready worker (as the gRPC ListModels)."""
         if (refused := self._unauthorized(http)) is not None:
             return refused
-        data = [self._model_card()] if self.service.ready_workers else []
+        data = [self._model_card(p) for p in self.service.pools.values() if p.ready]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, http: web.Request) -> web.Response:
-        """The served model's card; 404 for any other name."""
+        """A served model's card; 404 for any other name."""
         if (refused := self._unauthorized(http)) is not None:
             return refused
-        name = http.match_info["model"]
-        if name != self.service.cfg.model_name:
-            return ApiError(404, f"model {name!r} is not served here (served: {self.service.cfg.model_name!r})",
-                            param="model", code="model_not_found").response({})
-        return web.json_response(self._model_card())
+        try:
+            pool = self.service.pool_for(http.match_info["model"])
+        except RouterError as e:
+            return api_error(e, {}).response({})
+        return web.json_response(self._model_card(pool))
 
-    def _model_card(self) -> dict:
-        return {"id": self.service.cfg.model_name, "object": "model", "created": self.created, "owned_by": "kvmesh",
-                "max_model_len": self.service.model.max_position_embeddings}
+    def _model_card(self, pool) -> dict:
+        return {"id": pool.name, "object": "model", "created": self.created, "owned_by": "kvmesh",
+                "max_model_len": pool.model.max_position_embeddings}
 
     def _unauthorized(self, http: web.Request) -> web.Response | None:
         try:
@@ -268,6 +268,8 @@ class OpenAIApi:
             return await self._run(http, shape, call, span, headers)
         except ApiError as e:
             return e.response(headers)
+        except RouterError as e:  # an unknown model while translating a chat request
+            return api_error(e, {}).response(headers)
         finally:
             span.end()
 
@@ -285,7 +287,7 @@ class OpenAIApi:
     def _head(self, shape, call: _Call, chunk: bool) -> dict:
         return {"id": shape.id_prefix + call.request.request_id,
                 "object": shape.chunk_object if chunk else shape.object,
-                "created": call.created, "model": self.service.cfg.model_name}
+                "created": call.created, "model": call.request.model or self.service.default_pool}
 
     async def _complete(self, shape, call: _Call, stream, headers: dict[str, str]) -> web.Response:
         tokens, finish = [], None
@@ -357,9 +359,10 @@ class OpenAIApi:
         logprobs = f.flag("logprobs")
         if (top := f.integer("top_logprobs")) not in (None, 0):
             raise bad_request("top_logprobs", f"only 0 is supported (alternatives are not computed), got {top}")
-        ids = _chat_prompt_ids(self.service.tokenizer, f)
+        pool = self.service.pool_for(f.body.get("model") if isinstance(f.body.get("model"), str) else "")
+        ids = _chat_prompt_ids(pool.tokenizer, f)
         max_name = "max_completion_tokens" if f.body.get("max_completion_tokens") is not None else "max_tokens"
-        rest_of_context = max(1, self.service.model.max_position_embeddings - len(ids))
+        rest_of_context = max(1, pool.model.max_position_embeddings - len(ids))
         request = _generate_request(f, max_name, default_max=rest_of_context)
         request.prompt_token_ids.ids.extend(ids)
         renames = {"max_new_tokens": max_name, "prompt": "messages", "prompt_token_ids": "messages"}

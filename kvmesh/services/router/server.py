@@ -8,12 +8,10 @@ and ends every stream with a `finish` carrying reason, usage and timings. Only t
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import time
 import uuid
-from pathlib import Path
 
 import grpc
 
@@ -24,9 +22,10 @@ from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry
+from kvmesh.fleet.rollout import RolloutState
+from kvmesh.services.router.pools import Pool, parse_models
 from kvmesh.services.router.stops import StopStringMatcher
-from kvmesh.services.worker.checkpoint import ModelConfig, load_config
-from kvmesh.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvmesh.tokenizer import IncrementalDetokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -37,9 +36,9 @@ MAX_STOP_STRINGS = 16
 class RouterError(Exception):
     """A request the router ends with a gRPC status (the HTTP API maps it to a status code)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, trailing: tuple = ()):
+    def __init__(self, code: grpc.StatusCode, message: str, trailing: tuple = (), field: str = ""):
         super().__init__(message)
-        self.code, self.message, self.trailing = code, message, trailing
+        self.code, self.message, self.trailing, self.field = code, message, trailing, field
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
@@ -47,54 +46,71 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     NOT_FOUND for an unknown model, UNAVAILABLE while no scheduler or worker is ready; a
     scheduler's error status is passed on as it came."""
 
-    def __init__(self, cfg: RouterConfig, model_dir: Path, registry: Registry, metrics: RouterMetrics | None = None):
+    def __init__(self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics | None = None):
         self.cfg = cfg
         self.api_keys = cfg.api_key_set()
         self.metrics = metrics or RouterMetrics()
         self.tracer = telemetry.tracer("kvmesh.router")
-        self.model: ModelConfig = load_config(model_dir)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.pools: dict[str, Pool] = {name: Pool.load(name, folder) for name, folder in parse_models(cfg.model, cfg.model_name)}
+        self.default_pool = next(iter(self.pools))
         self.registry = registry
-        self.schedulers: list[scheduler_pb2_grpc.SchedulerStub] = []
-        self.scheduler_addresses: list[str] = []
-        self.ready_workers = 0
         self.is_ready = False
-        self._round_robin = itertools.count()
         self._seeds = random.Random()
 
     async def discover(self, on_ready) -> None:
+        """Every half second: each pool's schedulers, ready workers per version and rollout state."""
         channels: dict[str, grpc.aio.Channel] = {}
         while True:
             try:
-                records = await self.registry.services("scheduler")
-                self.ready_workers = len(await self.registry.services("worker"))
-                addresses = [r["address"] for r in records]
-                for a in addresses:
-                    channels.setdefault(a, grpc.aio.insecure_channel(a))
-                self.scheduler_addresses = addresses
-                self.schedulers = [scheduler_pb2_grpc.SchedulerStub(channels[a]) for a in addresses]
-                self.is_ready = bool(self.schedulers) and self.ready_workers > 0
+                schedulers = await self.registry.services("scheduler")
+                workers = await self.registry.services("worker")
+                for pool in self.pools.values():
+                    addresses = [r["address"] for r in schedulers if r.get("pool", "default") == pool.name]
+                    pool.schedulers = [scheduler_pb2_grpc.SchedulerStub(channels.setdefault(a, grpc.aio.insecure_channel(a)))
+                                       for a in addresses]
+                    versions: dict[str, int] = {}
+                    for w in workers:
+                        if w.get("pool", "default") == pool.name:
+                            versions[w.get("version", "v1")] = versions.get(w.get("version", "v1"), 0) + 1
+                    pool.versions = versions
+                    stored = await self.registry.rollout(pool.name)
+                    pool.rollout = RolloutState.from_json(stored) if stored else None
+                self.is_ready = any(p.ready for p in self.pools.values())
                 await on_ready(self.is_ready)
             except Exception as e:
                 log.warning("discovery failed: %s", e)
             await asyncio.sleep(0.5)
 
-    def _check_model(self, name: str) -> str | None:
-        if name and name != self.cfg.model_name:
-            return f"model {name!r} is not served here (served: {self.cfg.model_name!r})"
-        return None
+    def pool_for(self, name: str) -> Pool:
+        """The pool clients call `name` ('' is the first one); RouterError(NOT_FOUND) if none."""
+        pool = self.pools.get(name or self.default_pool)
+        if pool is None:
+            raise RouterError(grpc.StatusCode.NOT_FOUND,
+                              f"model {name!r} is not served here (served: {', '.join(repr(p) for p in self.pools)})")
+        return pool
 
-    def _prompt_ids(self, request) -> list[int]:
+    async def _ready_pool(self, pool: Pool, timeout: float | None) -> None:
+        """Waits for the pool to have a scheduler and a ready worker: at most no_worker_wait_s, and
+        answers UNAVAILABLE before the caller's deadline would pass."""
+        wait = self.cfg.no_worker_wait_s if timeout is None else min(self.cfg.no_worker_wait_s, 0.8 * timeout)
+        deadline = time.monotonic() + wait
+        while not pool.ready:
+            if time.monotonic() >= deadline:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"model {pool.name!r} has no ready worker (waited {wait:.1f}s)")
+            await asyncio.sleep(0.1)
+
+    @staticmethod
+    def _prompt_ids(pool: Pool, request) -> list[int]:
         if request.WhichOneof("input") == "prompt_token_ids":
             return list(request.prompt_token_ids.ids)
-        return self.tokenizer.encode(request.prompt) if request.prompt else []
+        return pool.tokenizer.encode(request.prompt) if request.prompt else []
 
-    def _validated(self, request) -> scheduler_pb2.SubmitRequest:
-        ids = self._prompt_ids(request)
+    def _validated(self, pool: Pool, request) -> scheduler_pb2.SubmitRequest:
+        ids = self._prompt_ids(pool, request)
         sampling = wire.sampling_from_proto(request.sampling)
         stopping = wire.stopping_from_proto(request.stopping)
-        validate_request(ids, sampling, stopping, max_context=self.model.max_position_embeddings,
-                         vocab_size=self.model.vocab_size)
+        validate_request(ids, sampling, stopping, max_context=pool.model.max_position_embeddings,
+                         vocab_size=pool.model.vocab_size)
         if len(request.stopping.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest("stop", f"has {len(request.stopping.stop)} strings, over the limit of {MAX_STOP_STRINGS}")
         submit = scheduler_pb2.SubmitRequest(
@@ -102,6 +118,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             sampling=request.sampling, stopping=wire.stopping_to_proto(stopping), priority=request.priority)
         if not submit.sampling.HasField("seed"):
             submit.sampling.seed = self._seeds.getrandbits(63)  # the stream stays reproducible on recompute
+        submit.version = pool.version_for(submit.request_id)
         return submit
 
     def check_api_key(self, authorization: str | None) -> None:
@@ -124,36 +141,37 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         ready (UNAVAILABLE) and a scheduler's error status, passed on as it came (retry hint included).
         Records the request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
         started = time.monotonic()
-        model = self.cfg.model_name
+        model = request.model or self.default_pool
         self.metrics.in_flight.labels(model).inc()
         try:
             async for out in self._generate(request, timeout, span, started):
                 yield out
         except RouterError as e:
-            self.metrics.failure.labels(model, e.code.name).inc()
+            if e.code != grpc.StatusCode.NOT_FOUND:  # unknown names would grow the label set without bound
+                self.metrics.failure.labels(model, e.code.name).inc()
             span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, f"{e.code.name}: {e.message}"))
             raise
         finally:
             self.metrics.in_flight.labels(model).dec()
 
     async def _generate(self, request, timeout, span, started):
-        if (problem := self._check_model(request.model)) is not None:
-            raise RouterError(grpc.StatusCode.NOT_FOUND, problem)
+        pool = self.pool_for(request.model)
         try:
-            submit = self._validated(request)
+            submit = self._validated(pool, request)
         except InvalidRequest as e:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if not self.schedulers:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready")
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field) from None
+        if not pool.ready:
+            await self._ready_pool(pool, timeout)
+            submit.version = pool.version_for(submit.request_id)
+        span.set_attribute("kvmesh.model", pool.name)
         span.set_attribute("kvmesh.request_id", submit.request_id)
         span.set_attribute("kvmesh.prompt_tokens", len(submit.prompt_token_ids))
         span.set_attribute("kvmesh.max_new_tokens", submit.stopping.max_new_tokens)
-        stub = self.schedulers[next(self._round_robin) % len(self.schedulers)]
-        call = stub.Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
-        detok = IncrementalDetokenizer(self.tokenizer, submit.prompt_token_ids)
+        call = pool.next_scheduler().Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
+        detok = IncrementalDetokenizer(pool.tokenizer, submit.prompt_token_ids)
         stops = StopStringMatcher(list(request.stopping.stop))
         trace_id = telemetry.trace_id_hex(span)
-        itl = self.metrics.itl.labels(self.cfg.model_name)
+        itl = self.metrics.itl.labels(pool.name)
         completion, first_token_at, last_token_at = 0, None, None
         try:
             async for event in call:
@@ -178,8 +196,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                         cached_prompt_tokens=event.cached_prompt_tokens, completion_tokens=completion,
                         queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
                         total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
-                        worker_id=event.worker_id, preemptions=event.preemptions)
-                    self._record_finish(finish, span)
+                        worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version)
+                    self._record_finish(pool.name, finish, span)
                     out.finish.CopyFrom(finish)
                     yield out
                     return
@@ -189,8 +207,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         finally:
             call.cancel()  # no-op once finished; frees the request upstream when the client left
 
-    def _record_finish(self, f: gen.Finish, span: telemetry.Span) -> None:
-        model = self.cfg.model_name
+    def _record_finish(self, model: str, f: gen.Finish, span: telemetry.Span) -> None:
         m = self.metrics
         reason = gen.FinishReason.Name(f.reason).lower()
         m.success.labels(model, reason).inc()
@@ -206,7 +223,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         span.set_attributes({"kvmesh.finish_reason": reason, "kvmesh.completion_tokens": f.completion_tokens,
                              "kvmesh.cached_prompt_tokens": f.cached_prompt_tokens, "kvmesh.queue_ms": f.queue_ms,
                              "kvmesh.ttft_ms": f.ttft_ms, "kvmesh.worker_id": f.worker_id,
-                             "kvmesh.preemptions": f.preemptions})
+                             "kvmesh.preemptions": f.preemptions, "kvmesh.model_version": f.model_version})
         if f.reason == gen.ERROR:
             span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, f.message))
 
@@ -236,27 +253,30 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     async def ListModels(self, request, context):
         await self._authorized(context)
-        models = []
-        if self.ready_workers:
-            models.append(gen.ModelInfo(name=self.cfg.model_name, ready_workers=self.ready_workers,
-                                        max_context=self.model.max_position_embeddings))
-        return gen.ListModelsResponse(models=models)
+        return gen.ListModelsResponse(models=self.model_infos())
+
+    def model_infos(self) -> list[gen.ModelInfo]:
+        """The pools with a ready worker, each with its versions and their share of traffic."""
+        return [gen.ModelInfo(name=p.name, ready_workers=p.ready_workers, max_context=p.model.max_position_embeddings,
+                              versions=[gen.ModelVersion(version=v, ready_workers=n, traffic_percent=p.traffic_percent(v))
+                                        for v, n in sorted(p.versions.items())])
+                for p in self.pools.values() if p.ready]
 
     async def Tokenize(self, request, context):
         await self._authorized(context)
-        if (problem := self._check_model(request.model)) is not None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, problem)
-        return gen.TokenizeResponse(ids=self.tokenizer.encode(request.text))
+        try:
+            pool = self.pool_for(request.model)
+        except RouterError as e:
+            await context.abort(e.code, e.message)
+        return gen.TokenizeResponse(ids=pool.tokenizer.encode(request.text))
 
 
 async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
-    from kvmesh.modelgen import default_model_dir
-
     from kvmesh.services.router.http import start_http
 
     telemetry.setup_tracing("router")
     registry = Registry(common.redis_url)
-    service = RouterService(cfg, Path(cfg.model) if cfg.model else default_model_dir(), registry)
+    service = RouterService(cfg, registry)
     server = ServiceServer(["kvmesh.v1.Generation"], lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s),
                            common.host, cfg.port)
     await server.start()

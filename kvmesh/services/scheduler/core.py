@@ -80,6 +80,7 @@ class Scheduler:
         self._watermark = max(1, pool.num_pages // 100)
         self._chunk_cap = self.config.max_prefill_chunk or self.config.max_batched_tokens
         self.num_preemptions = 0
+        self.seq_limit = self.config.max_num_seqs  # lowered for a while by an admission ramp
 
     def _admission_key(self, r: Request):
         # Every waiting request ages at the same rate, so priority + age / aging_s orders them the
@@ -114,6 +115,20 @@ class Scheduler:
             self.waiting.remove(req)
         self._finish(req, reason)
         return TokenEvent(req, None, None, reason)
+
+    def take_all(self) -> list[Request]:
+        """Removes every request (running ones first, then the queue, in order) without finishing
+        them, frees their pages and resets them for recompute: for moving them to another worker."""
+        taken = []
+        for req in self.running + self.waiting:
+            self.pool.release(req.request_id)
+            if req.status is Status.RUNNING:
+                req.num_preemptions += 1
+            req.status = Status.WAITING
+            req.num_computed_tokens = 0
+            taken.append(req)
+        self.running, self.waiting, self.requests = [], [], {}
+        return taken
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -171,7 +186,7 @@ class Scheduler:
         after a preemption) fit beside what running requests still need, though it is given
         pages one chunk at a time; so a flood of long prompts waits instead of thrashing."""
         outstanding = self._outstanding_pages()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < min(self.seq_limit, self.config.max_num_seqs):
             req = self.waiting[0]
             tokens = req.all_token_ids
             prefix = self.pool.match_prefix(tokens)

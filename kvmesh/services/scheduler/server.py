@@ -30,7 +30,10 @@ from kvmesh.services.kvcache.replica import RecordingPagePool
 from kvmesh.services.registry import Registry, queue_state_key
 from kvmesh.services.scheduler.core import Scheduler, TokenEvent
 from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker
+from kvmesh.fleet.health import AdmissionRamp
+from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outcomes, RolloutController
 from kvmesh.services.scheduler.request import FinishReason, Request
+from kvmesh.services.scheduler.request import Status as RequestStatus
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -48,10 +51,16 @@ class WorkerLoop:
     """Continuous batching for one worker."""
 
     def __init__(self, record: dict, info: worker_pb2.WorkerInfo, cfg: SchedulerServiceConfig, kvcache,
-                 metrics: SchedulerMetrics):
+                 metrics: SchedulerMetrics, on_gone=None):
         self.worker_id = record["id"]
         self.address = record["address"]
         self.info = info
+        self.version = info.version or "v1"
+        self.draining = False  # failed its health checks: takes nothing new
+        self.ramp = None  # an AdmissionRamp while a late-joining worker takes load gradually
+        self.task: asyncio.Task | None = None
+        self.stub: worker_pb2_grpc.WorkerStub | None = None
+        self.on_gone = on_gone  # (loop, reason) -> moves its requests to other workers when the worker dies
         self.pool = RecordingPagePool(info.num_pages, info.page_size, cfg.prefix_caching)
         self.core = Scheduler(self.pool, cfg.core_config())
         self.kvcache = kvcache
@@ -85,14 +94,16 @@ class WorkerLoop:
         computed = max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0))
         return (r.num_tokens - computed) + (r.stopping.max_new_tokens - len(r.output_token_ids))
 
-    def submit(self, req: Request, hashes: list[bytes], expected_hit_pages: int) -> asyncio.Queue:
-        """Queues the request (ValueError or InvalidRequest, changing nothing, if it cannot be)."""
+    def submit(self, req: Request, hashes: list[bytes], expected_hit_pages: int,
+               queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queues the request (ValueError or InvalidRequest, changing nothing, if it cannot be).
+        `queue` is the stream of a request moved here from a drained worker."""
         self.core.check_fits(req)
         self.core.add(req)  # first: it rejects a request_id in use before any state is touched
         if req.traceparent:
             self.pool.traceparents[req.request_id] = req.traceparent
         self.expected_hits[req.request_id] = expected_hit_pages * self.pool.page_size
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = queue or asyncio.Queue()
         self.streams[req.request_id] = queue
         self.queued_hashes.update(hashes)
         self.wake.set()
@@ -109,11 +120,31 @@ class WorkerLoop:
             self.wake.set()
         self.pool.traceparents.pop(request_id, None)
 
+    def take_all(self) -> list[tuple[Request, asyncio.Queue]]:
+        """Every request with its stream, removed from this worker and reset for recompute elsewhere."""
+        moved = []
+        for req in self.core.take_all():
+            queue = self.streams.pop(req.request_id, None)
+            self.expected_hits.pop(req.request_id, None)
+            if queue is not None:
+                moved.append((req, queue))
+        self.queued_hashes.clear()
+        self._queue_ops()
+        return moved
+
+    def stop(self) -> None:
+        """Ends the batching loop now (a hung worker never answers its step)."""
+        self.alive = False
+        if self.task is not None:
+            self.task.cancel()
+
     async def run(self, channel: grpc.aio.Channel) -> None:
         shipper = asyncio.create_task(self._ship_page_ops())
-        call = worker_pb2_grpc.WorkerStub(channel).Step()
+        self.stub = worker_pb2_grpc.WorkerStub(channel)
+        call = self.stub.Step()
         step = 0
         pending_read = None  # a read left open while idle: it completes only if the stream ends
+        reason = "stopped"
         try:
             while True:
                 if not self.core.has_unfinished():
@@ -127,6 +158,9 @@ class WorkerLoop:
                         pending_read.result()  # raises the stream's error, if it has one
                         raise WorkerGone("the worker closed its step stream")
                 t0 = time.perf_counter()
+                if self.ramp is not None:
+                    self.core.seq_limit = self.ramp.limit(time.monotonic())
+                    self.ramp = None if self.core.seq_limit >= self.core.config.max_num_seqs else self.ramp
                 plan = self.core.schedule()
                 step += 1
                 self._count_admissions(plan)
@@ -141,6 +175,8 @@ class WorkerLoop:
                     self._fail([c.seq_id for c in plan.scheduled], f"worker {self.worker_id} step failed: {result.error}")
                     continue
                 self._dispatch(self.core.update(plan, wire.result_from_proto(result)))
+                if result.failed:
+                    self._fail(list(result.failed), f"worker {self.worker_id} failed the request")
                 self._queue_ops()
                 self._account(t0, t1, t2, result.forward_ms / 1000)
                 self._step_hist.observe(t2 - t1)
@@ -148,9 +184,13 @@ class WorkerLoop:
                 self._tokens_hist.observe(plan.num_tokens)
         except (grpc.aio.AioRpcError, WorkerGone) as e:
             log.error("worker %s is gone: %s", self.worker_id, e)
+            reason = f"its step stream broke: {e.code().name if isinstance(e, grpc.aio.AioRpcError) else e}"
         finally:
             self.alive = False
-            self._fail(list(self.core.requests), f"worker {self.worker_id} failed")
+            call.cancel()
+            if self.on_gone is not None and self.core.requests:
+                self.on_gone(self, reason)  # streams continue, recomputed on another worker
+            self._fail(list(self.core.requests), f"worker {self.worker_id} failed ({reason}) and no other worker could take over")
             await self._page_ops.put(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True))
             await self._page_ops.put(None)
             await shipper
@@ -242,12 +282,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._round_robin = itertools.count()
         self._kvcache_stub = None
         self.active_ids: set[str] = set()  # request ids with a live stream, across all workers
+        self.owner: dict[str, WorkerLoop] = {}  # request id -> the worker loop running it now
+        self.outcomes = Outcomes()  # finished requests per version: rollouts and autoscaling read them
+        self.health = HealthChecks(self)
+        self.autoscale = AutoscaleSignal(self)
+        self._first_discovery_done = False
 
     def kvcache(self):
         return self._kvcache_stub
 
-    def pick_worker(self, hashes: list[bytes]) -> WorkerLoop | None:
-        alive = sorted((w for w in self.workers.values() if w.alive), key=lambda w: w.worker_id)
+    def pick_worker(self, hashes: list[bytes], version: str = "", exclude: WorkerLoop | None = None) -> WorkerLoop | None:
+        """A worker for a prompt with these page hashes, of `version` ("" any), not draining."""
+        alive = sorted((w for w in self.workers.values() if w.alive and not w.draining and w is not exclude
+                        and (not version or w.version == version)), key=lambda w: w.worker_id)
         if not alive:
             return None
         if self.placement.policy == "round-robin":
@@ -286,16 +333,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._abort(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"queue is full ({waiting} waiting, limit max_queue_len={self.cfg.max_queue_len}); "
                               f"retry in about {hint:.0f} s")
-        page_size = next((w.pool.page_size for w in self.workers.values()), 16)
-        hashes = prefix_hashes(list(request.prompt_token_ids), page_size) if self.cfg.prefix_caching else []
-        worker = self.pick_worker(hashes)
+        hashes = self.page_hashes(list(request.prompt_token_ids))
+        worker = self.pick_worker(hashes, request.version)
         for _ in range(int(NO_WORKER_WAIT_S / 0.1)):  # a worker may be (re)joining: wait, bounded
             if worker is not None:
                 break
             await asyncio.sleep(0.1)
-            worker = self.pick_worker(hashes)
+            worker = self.pick_worker(hashes, request.version)
         if worker is None:
-            await self._abort(context, span, grpc.StatusCode.UNAVAILABLE, f"no worker is ready (waited {NO_WORKER_WAIT_S:.0f}s)")
+            which = f"of version {request.version!r} " if request.version else ""
+            await self._abort(context, span, grpc.StatusCode.UNAVAILABLE,
+                              f"no worker {which}in pool {self.cfg.pool!r} is ready (waited {NO_WORKER_WAIT_S:.0f}s)")
         req = Request(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -315,6 +363,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         span.set_attributes({"kvmesh.request_id": req.request_id, "kvmesh.worker_id": worker.worker_id,
                              "kvmesh.expected_prefix_pages": expected_pages})
         self.active_ids.add(req.request_id)
+        self.owner[req.request_id] = worker
         finished, queue_span_done = False, False
         try:
             while not finished:
@@ -322,7 +371,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 finished = event.finish_reason is not None
                 if not queue_span_done and (req.first_scheduled_time is not None or finished):
                     queue_span_done = self._record_queue_span(req, span)
-                yield _event_to_proto(event, worker.worker_id)
+                yield _event_to_proto(event, self.owner.get(req.request_id, worker))
+            self.outcomes.record(self.owner.get(req.request_id, worker).version, req)
             reason = req.finish_reason.value if req.finish_reason else "cancelled"
             span.set_attributes({"kvmesh.finish_reason": reason, "kvmesh.preemptions": req.num_preemptions,
                                  "kvmesh.cached_prompt_tokens": req.num_cached_prompt_tokens})
@@ -330,7 +380,33 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, event.message))
         finally:
             self.active_ids.discard(req.request_id)
-            worker.done(req.request_id, hashes, finished)  # cancels it if the client left or timed out
+            owner = self.owner.pop(req.request_id, worker)
+            owner.done(req.request_id, hashes, finished)  # cancels it if the client left or timed out
+
+    def page_hashes(self, token_ids: list[int]) -> list[bytes]:
+        page_size = next((w.pool.page_size for w in self.workers.values()), 16)
+        return prefix_hashes(token_ids, page_size) if self.cfg.prefix_caching else []
+
+    def move_requests(self, loop: WorkerLoop, reason: str) -> int:
+        """Moves every request of a drained worker to others of its version (recomputed there from
+        the tokens already streamed, so each stream continues exactly); ends those no worker can take."""
+        moved = 0
+        for req, queue in loop.take_all():
+            hashes = self.page_hashes(req.prompt_token_ids)
+            target = self.pick_worker(hashes, loop.version, exclude=loop)
+            try:
+                if target is None:
+                    raise ValueError(f"no other worker of version {loop.version!r} is ready")
+                target.submit(req, hashes, target.view(hashes).prefix_pages, queue=queue)
+                self.owner[req.request_id] = target
+                moved += 1
+            except (InvalidRequest, ValueError) as e:
+                req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
+                queue.put_nowait(TokenEvent(req, None, None, FinishReason.ERROR,
+                                            f"worker {loop.worker_id} left ({reason}); {e}"))
+        if moved:
+            log.warning("worker %s left (%s): %d requests continue on other workers", loop.worker_id, reason, moved)
+        return moved
 
     def _record_queue_span(self, req: Request, parent) -> bool:
         """`kvmesh.queue`: arrival to first admission (or to the end, for a request never admitted)."""
@@ -356,6 +432,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if kv and self._kvcache_stub is None:
             self._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(grpc.aio.insecure_channel(kv[0]["address"]))
         for record in await self.registry.services("worker"):
+            if record.get("pool", "default") != self.cfg.pool:
+                continue
             current = self.workers.get(record["id"])
             if current is not None and current.alive and current.info.epoch == record["epoch"]:
                 continue
@@ -367,10 +445,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             if current is not None and current.alive:
                 current.alive = False  # restarted under the same id: the old loop's stream will break
-            loop = WorkerLoop(record, info, self.cfg, self.kvcache, self.metrics)
+            self.health.forget(record["id"])
+            loop = WorkerLoop(record, info, self.cfg, self.kvcache, self.metrics, on_gone=self.move_requests)
+            if self._first_discovery_done and self.cfg.admission_ramp_s:
+                loop.ramp = AdmissionRamp(time.monotonic(), self.cfg.max_num_seqs, self.cfg.admission_ramp_s)
             self.workers[record["id"]] = loop
-            asyncio.create_task(loop.run(channel))
-            log.info("scheduling on worker %s at %s", loop.worker_id, loop.address)
+            loop.task = asyncio.create_task(loop.run(channel))
+            log.info("scheduling on worker %s (%s %s) at %s", loop.worker_id, self.cfg.pool, loop.version, loop.address)
+        self._first_discovery_done = True
 
     async def publish_queue_state(self, scheduler_id: str) -> None:
         """Every half second, off the batching loop: ends requests waiting past max_queue_wait_s,
@@ -387,16 +469,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                            for r in w.core.waiting]
                 w.publish_metrics(sum(r["estimated_tokens"] for r in waiting))
                 workers[w.worker_id] = {
-                    "alive": w.alive,
+                    "alive": w.alive and not w.draining,
+                    "version": w.version,
                     "waiting": waiting,
                     "running": [r.request_id for r in w.core.running],
                     "estimated_tokens": sum(r["estimated_tokens"] for r in waiting),
                     "step_timing": w.timing,
                 }
+            estimated = sum(w["estimated_tokens"] for w in workers.values())
             state = {
+                "pool": self.cfg.pool,
                 "waiting": sum(len(w["waiting"]) for w in workers.values()),
                 "running": sum(len(w["running"]) for w in workers.values()),
-                "estimated_tokens": sum(w["estimated_tokens"] for w in workers.values()),
+                "estimated_tokens": estimated,
+                "autoscale": self.autoscale.update(estimated),
                 "workers": workers,
             }
             try:
@@ -411,8 +497,8 @@ def _wall_ns(monotonic_s: float) -> int:
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
-def _event_to_proto(event: TokenEvent, worker_id: str) -> scheduler_pb2.TokenEvent:
-    m = scheduler_pb2.TokenEvent(worker_id=worker_id)
+def _event_to_proto(event: TokenEvent, worker: WorkerLoop) -> scheduler_pb2.TokenEvent:
+    m = scheduler_pb2.TokenEvent(worker_id=worker.worker_id, version=worker.version)
     if event.token_id is not None:
         m.token_ids.append(event.token_id)
         m.logprobs.append(event.logprob)
@@ -436,7 +522,11 @@ async def serve(common: CommonConfig, cfg: SchedulerServiceConfig) -> None:
                            common.host, cfg.port)
     await server.start()
     address = advertised_address(common, server.port)
-    tasks = (asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state(address)))
-    print(f"scheduler ready on {address}", flush=True)
-    record = {"address": address, "metrics": advertised_address(common, metrics_port) if metrics_port else ""}
-    await serve_until_stopped(server, registry, "scheduler", address, record, tasks=tasks)
+    tasks = [asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state(address)),
+             asyncio.create_task(RolloutController(service, address).run())]
+    if cfg.health_check_interval_s:
+        tasks.append(asyncio.create_task(service.health.run()))
+    print(f"scheduler for pool {cfg.pool!r} ready on {address}", flush=True)
+    record = {"address": address, "pool": cfg.pool,
+              "metrics": advertised_address(common, metrics_port) if metrics_port else ""}
+    await serve_until_stopped(server, registry, "scheduler", address, record, tasks=tuple(tasks))

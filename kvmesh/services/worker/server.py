@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -79,10 +82,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Step: StepRequest in, StepResult out, one per step, in order. A step that raises answers
     with `error` set and the stream stays open. Info: what the scheduler needs to plan pages."""
 
-    def __init__(self):
+    def __init__(self, fault_rate: float = 0.0):
         self.runner: ModelRunner | None = None
         self.metrics: WorkerMetrics | None = None
         self.step_tracer: StepTracer | None = None
+        self.memory: MemoryProbe | None = None
+        self.fault_rate = fault_rate
         # Every step runs on this one thread: torch's OpenMP pool belongs to the calling thread,
         # and steps hopping between executor threads would keep several pools alive and spinning.
         self._compute = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
@@ -109,6 +114,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     self.runner.seqs.pop(chunk.seq_id, None)
                 yield worker_pb2.StepResult(step=request.step, error=f"{type(e).__name__}: {e}")
                 continue
+            if self.fault_rate:
+                inject_faults(result, self.fault_rate)
             yield wire.result_to_proto(request.step, result)
             # After the result is on its way: the scheduler is busy with it meanwhile.
             self.metrics.forward.observe(result.forward_s)
@@ -120,9 +127,63 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return result, start_ns, time.time_ns()
 
     async def Info(self, request, context):
+        """What the scheduler plans with, and the health facts it checks (memory, the check prompt)."""
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading its model")
-        return self.info
+        info = worker_pb2.WorkerInfo()
+        info.CopyFrom(self.info)
+        info.memory_used_bytes, info.memory_total_bytes = self.memory.read()
+        return info
+
+
+def is_faulty(seq_id: str, rate: float) -> bool:
+    """Fault injection for tests: the same requests fail on every run (a hash of the id, not chance)."""
+    h = int.from_bytes(hashlib.blake2b(seq_id.encode(), digest_size=8, person=b"kvmesh-fault").digest(), "big")
+    return h < rate * 2**64
+
+
+def inject_faults(result, rate: float) -> None:
+    """Turns the first token of each faulty sequence into a failure of that sequence alone."""
+    for token in [t for t in result.tokens if is_faulty(t.seq_id, rate)]:
+        result.tokens.remove(token)
+        result.failed.append(token.seq_id)
+
+
+class MemoryProbe:
+    """Memory in use and in total: device memory through pynvml on CUDA, else this process's
+    resident memory against the machine's."""
+
+    def __init__(self):
+        import psutil
+
+        self.process = psutil.Process()
+        self.machine_total = psutil.virtual_memory().total
+        self.nvml_handle = None
+        try:
+            import pynvml
+            import torch
+
+            if torch.cuda.is_available():
+                pynvml.nvmlInit()
+                self.nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+                self.nvml = pynvml
+        except Exception:  # no GPU, or pynvml not installed (the `gpu` extra)
+            self.nvml_handle = None
+
+    def resident(self) -> int:
+        return self.process.memory_info().rss
+
+    def read(self) -> tuple[int, int]:
+        if self.nvml_handle is not None:
+            m = self.nvml.nvmlDeviceGetMemoryInfo(self.nvml_handle)
+            return m.used, m.total
+        return self.resident(), self.machine_total
+
+    def export(self, metrics: WorkerMetrics) -> None:
+        metrics.memory.labels(metrics.worker, "resident").set_function(self.resident)
+        if self.nvml_handle is not None:
+            metrics.memory.labels(metrics.worker, "gpu_used").set_function(lambda: self.read()[0])
+            metrics.memory.labels(metrics.worker, "gpu_total").set_function(lambda: self.read()[1])
 
 
 def load_runner(cfg: WorkerConfig) -> ModelRunner:
@@ -147,24 +208,41 @@ def warm_up(runner: ModelRunner) -> None:
     runner.seqs.clear()
 
 
-def watch_memory(metrics: WorkerMetrics) -> None:
-    """Resident memory of this process; on CUDA also the device's used and total memory (pynvml)."""
-    import psutil
+CHECK_TOKENS = 6
 
-    process = psutil.Process()
-    metrics.memory.labels(metrics.worker, "resident").set_function(lambda: process.memory_info().rss)
-    try:
-        import pynvml
-        import torch
 
-        if not torch.cuda.is_available():
+def check_prompt(vocab_size: int) -> list[int]:
+    """The inference health check's canned prompt (token ids valid for any vocabulary)."""
+    return [(37 * i + 11) % vocab_size for i in range(10)]
+
+
+def greedy_answer(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    """The check's known answer: `n` greedy tokens, computed once at start-up when the worker is known good."""
+    pages = list(range(runner.pool.num_pages))[: -(-(len(prompt) + n) // runner.page_size)]
+    plan = StepPlan(new=[NewSequence("health-check", prompt, len(prompt), SamplingParams(temperature=0.0), pages)],
+                    scheduled=[ScheduledChunk("health-check", len(prompt))])
+    answer = []
+    for _ in range(n):
+        answer.append(runner.step(plan).tokens[0].token_id)
+        plan = StepPlan(scheduled=[ScheduledChunk("health-check", 1)])
+    runner.seqs.clear()
+    return answer
+
+
+async def watch_drain(registry: Registry, worker_id: str, server) -> None:
+    """When the scheduler drains this worker (failed health checks), turn NOT_SERVING (readiness fails)
+    and stop, so that the orchestrator starts a fresh process."""
+    while True:
+        await asyncio.sleep(2.0)
+        try:
+            reason = await registry.drained(worker_id)
+        except Exception:
+            continue
+        if reason:
+            log.error("drained by the scheduler (%s): stopping so that a fresh process replaces this one", reason)
+            await server.set_serving(False)
+            os.kill(os.getpid(), signal.SIGTERM)
             return
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-    except Exception:  # no GPU, or pynvml not installed (the `gpu` extra)
-        return
-    metrics.memory.labels(metrics.worker, "gpu_used").set_function(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-    metrics.memory.labels(metrics.worker, "gpu_total").set_function(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).total)
 
 
 async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
@@ -172,7 +250,7 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
 
     telemetry.setup_tracing("worker")
     metrics_port = serve_metrics(common.host, cfg.metrics_port)
-    service = WorkerService()
+    service = WorkerService(cfg.fault_rate)
     server = ServiceServer(["kvmesh.v1.Worker"], lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(service, s),
                            common.host, cfg.port)
     await server.start()
@@ -180,22 +258,28 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     worker_id = cfg.worker_id or address
     service.metrics = WorkerMetrics(worker_id)
     service.step_tracer = StepTracer(worker_id)
-    watch_memory(service.metrics)
+    service.memory = MemoryProbe()
+    service.memory.export(service.metrics)
     log.info("worker %s listening on %s, loading model", worker_id, address)
     service.runner = runner = await asyncio.get_running_loop().run_in_executor(service._compute, load_runner, cfg)
     registry = Registry(common.redis_url)
+    await registry.clear_drained(worker_id)  # a fresh process: whatever drained the last one is gone with it
     epoch = await registry.next_epoch(worker_id)
     model_dir = Path(cfg.model) if cfg.model else None
     mcfg = runner.model.cfg
+    prompt = check_prompt(mcfg.vocab_size)
+    answer = await asyncio.get_running_loop().run_in_executor(service._compute, greedy_answer, runner, prompt, CHECK_TOKENS)
     service.info = worker_pb2.WorkerInfo(
         worker_id=worker_id, model=str(model_dir or "default"), num_pages=runner.pool.num_pages, page_size=runner.page_size,
         max_context=mcfg.max_position_embeddings, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
-        epoch=epoch)
+        epoch=epoch, pool=cfg.pool, version=cfg.version, check_prompt=prompt, check_answer=answer)
     cold_start = time.time() - psutil.Process().create_time()
     service.metrics.cold_start.set(cold_start)
     print(f"worker {worker_id} ready on {address} ({runner.pool.num_pages} KV pages, epoch {epoch}, "
           f"cold start {cold_start:.1f}s)", flush=True)
     metrics_address = advertised_address(common, metrics_port) if metrics_port else ""
-    await serve_until_stopped(server, registry, "worker", worker_id,
+    watcher = asyncio.create_task(watch_drain(registry, worker_id, server))
+    await serve_until_stopped(server, registry, "worker", worker_id, tasks=(watcher,), record=
                               {"address": address, "epoch": epoch, "num_pages": runner.pool.num_pages,
-                               "metrics": metrics_address})
+                               "metrics": metrics_address, "pool": cfg.pool, "version": cfg.version,
+                               "model": str(model_dir or "")})

@@ -1,0 +1,94 @@
+"""Model pools as the router sees them: each pool (a model name clients ask for) has its tokenizer,
+its schedulers and its ready workers per version, and maybe a canary rollout that splits its traffic.
+
+The split is `kvmesh.fleet.canary.choose_version` over the request id: a pure function of the id
+and the rollout state in Redis, so every router replica sends the same request the same way.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh.fleet.canary import choose_version
+from kvmesh.fleet.rollout import RolloutState, canary_percent, serving_stable
+from kvmesh.services.worker.checkpoint import ModelConfig, load_config
+from kvmesh.tokenizer import Tokenizer
+
+
+def parse_models(spec: str, default_name: str) -> list[tuple[str, str]]:
+    """`DIR`, `NAME=DIR` or several `NAME=DIR` separated by commas -> [(name, dir)]; '' is the
+    default model under `default_name`. ValueError for an empty or repeated name."""
+    if not spec.strip():
+        return [(default_name, "")]
+    pools = []
+    for part in spec.split(","):
+        name, sep, folder = part.strip().partition("=")
+        if not sep:
+            name, folder = default_name, part.strip()
+        if not name or not folder:
+            raise ValueError(f"model must be DIR or NAME=DIR[,NAME=DIR...], got {part!r}")
+        pools.append((name.strip(), folder.strip()))
+    names = [n for n, _ in pools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must be distinct, got {names}")
+    return pools
+
+
+@dataclass
+class Pool:
+    name: str
+    model: ModelConfig
+    tokenizer: Tokenizer
+    schedulers: list = field(default_factory=list)  # SchedulerStub of this pool's schedulers
+    versions: dict[str, int] = field(default_factory=dict)  # version -> ready workers
+    rollout: RolloutState | None = None
+    turn: int = 0  # round-robin over schedulers
+
+    @classmethod
+    def load(cls, name: str, folder: str) -> "Pool":
+        from kvmesh.modelgen import default_model_dir
+
+        model_dir = Path(folder) if folder else default_model_dir()
+        return cls(name, load_config(model_dir), Tokenizer.from_dir(model_dir))
+
+    @property
+    def ready_workers(self) -> int:
+        return sum(self.versions.values())
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.schedulers) and self.ready_workers > 0
+
+    def next_scheduler(self):
+        self.turn += 1
+        return self.schedulers[self.turn % len(self.schedulers)]
+
+    def version_for(self, request_id: str) -> str:
+        """The version this request runs on ("" any): the canary's share while a rollout runs and
+        the canary has ready workers, the stable version otherwise; after a rollout, the version
+        that won (promoted canary, or the stable one after a rollback or abort)."""
+        state = self.rollout
+        if state is None:
+            return ""
+        if state.status == "running" and self.versions.get(state.canary_version):
+            return choose_version(request_id or uuid.uuid4().hex, state.stable_version, state.canary_version,
+                                  canary_percent(state))
+        stable = serving_stable(state) if state.status != "running" else state.stable_version
+        return stable if self.versions.get(stable) else ""
+
+    def traffic_percent(self, version: str) -> float:
+        """The share of new requests `version` gets now (for ListModels)."""
+        if not self.versions.get(version):
+            return 0.0
+        state = self.rollout
+        if state is None:
+            return 100.0 * self.versions[version] / self.ready_workers
+        if state.status == "running" and self.versions.get(state.canary_version):
+            share = canary_percent(state)
+            return share if version == state.canary_version else 100.0 - share if version == state.stable_version else 0.0
+        stable = serving_stable(state) if state.status != "running" else state.stable_version
+        if self.versions.get(stable):
+            return 100.0 if version == stable else 0.0
+        return 100.0 * self.versions[version] / self.ready_workers

@@ -1,0 +1,290 @@
+"""The fleet over a real mesh: model pools, canary rollouts with automatic rollback and promotion,
+health checks that drain a hung worker, failover that keeps streams exact, and autoscaling."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import redis
+
+from kvmesh.fleet.canary import choose_version
+from kvmesh.modelgen import SIZES, make_model
+from kvmesh.services.launcher import Supervisor, free_port, serve_command, wait_scheduled, wait_serving
+from kvmesh.services.registry import drain_key, rollout_key
+from kvmesh.tokenizer import Tokenizer
+from kvmesh.v1 import generation_pb2 as gen
+from kvmesh.v1 import generation_pb2_grpc
+from local_mesh import Mesh, collect
+from reference import assert_matches_reference, hf_greedy
+
+
+def greedy(prompt, n, model="", request_id=""):
+    return gen.GenerateRequest(model=model, prompt=prompt, request_id=request_id,
+                               sampling=gen.SamplingParams(temperature=0.0),
+                               stopping=gen.StoppingParams(max_new_tokens=n, ignore_eos=True))
+
+
+async def run_all(addr, requests, timeout=60):
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        return await asyncio.gather(*(collect(stub, r, timeout=timeout) for r in requests))
+
+
+def rollout(mesh, *args):
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "rollout", *args, "--redis-url", mesh.redis_url],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def rollout_state(mesh):
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    try:
+        value = r.get(rollout_key("default"))
+        return json.loads(value) if value else None
+    finally:
+        r.close()
+
+
+class ExtraWorker:
+    """One more worker process in a running mesh (another version, or with injected faults)."""
+
+    def __init__(self, mesh, model_dir, worker_id, *flags):
+        self.port = free_port()
+        argv = serve_command("worker", mesh.redis_url, self.port, "--metrics-port", "0", "--model", str(model_dir),
+                             "--kv-memory-mib", "4", "--worker-id", worker_id, *flags)
+        self.log = open(os.path.join(mesh.log_dir, f"{worker_id}.log"), "w")
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_serving(f"127.0.0.1:{self.port}", 120, self.process)
+
+    def close(self):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def test_two_pools_serve_each_request_with_their_own_model(tmp_path):
+    alpha = make_model(tmp_path / "alpha", "llama", **SIZES["tiny"])
+    beta = make_model(tmp_path / "beta", "qwen2", seed=1, **SIZES["tiny"])
+    mesh = Mesh([("alpha", str(alpha)), ("beta", str(beta))], workers=1)
+    try:
+        prompts = {"alpha": "the first pool answers", "beta": "the second pool answers"}
+
+        async def run():
+            async with grpc.aio.insecure_channel(mesh.addr) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                models = (await stub.ListModels(gen.ListModelsRequest())).models
+                results = {name: await collect(stub, greedy(p, 8, model=name)) for name, p in prompts.items()}
+                with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                    await collect(stub, greedy("x", 2, model="gamma"))
+                return models, results, unknown.value
+
+        models, results, unknown = asyncio.run(run())
+        assert {m.name: [v.version for v in m.versions] for m in models} == {"alpha": ["v1"], "beta": ["v1"]}
+        for name, folder in (("alpha", alpha), ("beta", beta)):
+            tokens, logprobs, _, finish = results[name]
+            assert finish.worker_id == f"{name}-worker-0" and finish.model_version == "v1"
+            ids = Tokenizer.from_dir(folder).encode(prompts[name])
+            assert_matches_reference(tokens, logprobs, hf_greedy(folder, ids, 8))
+        assert unknown.code() == grpc.StatusCode.NOT_FOUND and "alpha" in unknown.details()
+    finally:
+        mesh.close()
+
+
+@pytest.fixture
+def one_worker_mesh(model_dir):
+    m = Mesh(model_dir, workers=1)
+    yield m
+    m.close()
+
+
+def test_the_canary_split_is_the_same_in_two_router_processes(one_worker_mesh, model_dir):
+    mesh = one_worker_mesh
+    canary = ExtraWorker(mesh, model_dir, "canary-0", "--version", "v2")
+    port = free_port()
+    router2 = subprocess.Popen(serve_command("router", mesh.redis_url, port, "--http-port", "-1", "--model", str(model_dir)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_scheduled(mesh.redis_url, 2, timeout_s=60)
+        wait_serving(f"127.0.0.1:{port}", 60, router2)
+        rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "25,100", "--interval", "1h")
+        time.sleep(1.5)  # routers read the rollout state every half second
+        ids = [f"request-{i}" for i in range(40)]
+        first = asyncio.run(run_all(mesh.addr, [greedy("split me", 2, request_id=i) for i in ids]))
+        second = asyncio.run(run_all(f"127.0.0.1:{port}", [greedy("split me", 2, request_id=i + "-b") for i in ids]))
+        again = asyncio.run(run_all(f"127.0.0.1:{port}", [greedy("split me", 2, request_id=i) for i in ids]))
+        versions = [r[3].model_version for r in first]
+        assert versions == [choose_version(i, "v1", "v2", 25) for i in ids]  # the split is a function of the id
+        assert [r[3].model_version for r in again] == versions  # ... the same in the second router
+        assert {r[3].model_version for r in first + second} == {"v1", "v2"}
+        assert all(r[3].worker_id == ("canary-0" if r[3].model_version == "v2" else "worker-0") for r in first + second)
+        listed = asyncio.run(list_models(mesh.addr))
+        assert {v.version: v.traffic_percent for v in listed[0].versions} == {"v1": 75.0, "v2": 25.0}
+    finally:
+        router2.terminate()
+        router2.wait(timeout=10)
+        canary.close()
+
+
+async def list_models(addr):
+    async with grpc.aio.insecure_channel(addr) as ch:
+        return (await generation_pb2_grpc.GenerationStub(ch).ListModels(gen.ListModelsRequest())).models
+
+
+def drive_until(mesh, done, timeout=90, batch=4):
+    """Sends small batches of requests until `done(state)` holds for the rollout state."""
+    deadline, sent, finishes = time.monotonic() + timeout, 0, []
+    while time.monotonic() < deadline:
+        results = asyncio.run(run_all(mesh.addr, [greedy(f"canary traffic {sent + i}", 3) for i in range(batch)]))
+        finishes += [r[3] for r in results]
+        sent += batch
+        if done(rollout_state(mesh)):
+            return finishes
+    raise AssertionError(f"rollout did not get there in {timeout}s: {rollout_state(mesh)}")
+
+
+def test_a_canary_that_fails_requests_is_rolled_back_with_the_reason(one_worker_mesh, model_dir):
+    mesh = one_worker_mesh
+    canary = ExtraWorker(mesh, model_dir, "canary-0", "--version", "v2", "--fault-rate", "0.5")
+    try:
+        wait_scheduled(mesh.redis_url, 2, timeout_s=60)
+        rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "50,100", "--interval", "2s",
+                "--min-requests", "3")
+        time.sleep(1.5)
+        finishes = drive_until(mesh, lambda s: s["status"] != "running")
+        state = rollout_state(mesh)
+        assert state["status"] == "rolled_back"
+        assert state["history"][-1]["action"] == "rollback" and "error rate" in state["history"][-1]["reason"]
+        failed = [f for f in finishes if f.reason == gen.ERROR]
+        assert failed and all(f.model_version == "v2" and "canary-0" in f.message for f in failed)
+        status = rollout(mesh, "status", "--model", "default")
+        assert "rolled_back" in status and "error rate" in status
+        time.sleep(1.5)  # the routers see the rollback
+        after = asyncio.run(run_all(mesh.addr, [greedy(f"after rollback {i}", 3) for i in range(12)]))
+        assert all(r[3].model_version == "v1" and r[3].reason == gen.LENGTH for r in after)
+    finally:
+        canary.close()
+
+
+def test_a_healthy_canary_is_promoted_to_100_percent(one_worker_mesh, model_dir):
+    mesh = one_worker_mesh
+    canary = ExtraWorker(mesh, model_dir, "canary-0", "--version", "v2")
+    try:
+        wait_scheduled(mesh.redis_url, 2, timeout_s=60)
+        rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "50,100", "--interval", "2s",
+                "--min-requests", "4")
+        time.sleep(1.5)
+        finishes = drive_until(mesh, lambda s: s["status"] != "running", batch=2)
+        state = rollout_state(mesh)
+        assert state["status"] == "promoted", state["history"]
+        assert [d["action"] for d in state["history"]] == ["start", "promote"]
+        assert all(f.reason == gen.LENGTH for f in finishes)
+        time.sleep(1.5)
+        after = asyncio.run(run_all(mesh.addr, [greedy(f"after promotion {i}", 3) for i in range(8)]))
+        assert all(r[3].model_version == "v2" for r in after)
+    finally:
+        canary.close()
+
+
+def test_a_hung_worker_is_drained_its_streams_finish_elsewhere_and_it_is_replaced(model_dir):
+    interval = 1.0
+    mesh = Mesh(model_dir, workers=2, extra_scheduler=["--health-check-interval-s", str(interval),
+                                                       "--admission-ramp-s", "0"])
+    hung = mesh.child("worker-0").process
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    try:
+        tok = Tokenizer.from_dir(model_dir)
+        prompts = [f"a long story number {i} about rivers" for i in range(6)]
+        n = 80
+
+        async def run():
+            async with grpc.aio.insecure_channel(mesh.addr) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                calls = [stub.Generate(greedy(p, n), timeout=120) for p in prompts]
+                heads = [await call.read() for call in calls]  # every stream is mid-generation
+                os.kill(hung.pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+                drained_after = None
+                results = []
+                for call, head in zip(calls, heads):
+                    tokens, logprobs, finish = [t.id for t in head.tokens], [t.logprob for t in head.tokens], None
+                    while (response := await call.read()) is not grpc.aio.EOF:
+                        tokens += [t.id for t in response.tokens]
+                        logprobs += [t.logprob for t in response.tokens]
+                        finish = response.finish if response.HasField("finish") else finish
+                        if drained_after is None and r.exists(drain_key("worker-0")):
+                            drained_after = time.monotonic() - stopped
+                    results.append((tokens, logprobs, finish))
+                while drained_after is None and time.monotonic() - stopped < 30:
+                    if r.exists(drain_key("worker-0")):
+                        drained_after = time.monotonic() - stopped
+                    await asyncio.sleep(0.1)
+                after = await asyncio.gather(*(collect(stub, greedy(f"new {i}", 4)) for i in range(6)))
+                return results, drained_after, after
+
+        results, drained_after, after = asyncio.run(asyncio.wait_for(run(), 150))
+        # Detected within three check intervals (plus the first check's start and a check's timeout).
+        assert drained_after is not None and drained_after <= 4 * interval + 2, drained_after
+        for prompt, (tokens, logprobs, finish) in zip(prompts, results):
+            # The first token came before the hang; every stream still ends with all its tokens, exact.
+            assert finish.reason == gen.LENGTH and finish.worker_id == "worker-1", finish
+            assert len(tokens) == n
+            assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, tok.encode(prompt), n))
+        assert sum(f.preemptions > 0 for _, _, f in results) >= 1  # some were moved and recomputed
+        assert all(a[3].worker_id == "worker-1" for a in after)  # the hung worker gets nothing new
+
+        supervisor = Supervisor(mesh.children, mesh.redis_url, mesh.log_dir)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("restarted" in e for e in supervisor.events):
+            assert supervisor.poll() is None
+            time.sleep(0.3)
+        supervisor.close()
+        replacement = mesh.child("worker-0").process
+        assert replacement.pid != hung.pid and hung.poll() is not None
+        wait_serving(mesh.child("worker-0").address, 120, replacement)
+        wait_scheduled(mesh.redis_url, 2, timeout_s=60)
+        assert not r.exists(drain_key("worker-0"))
+    finally:
+        if hung.poll() is None:
+            hung.kill()
+        r.close()
+        mesh.close()
+
+
+def test_autoscale_starts_a_worker_when_the_token_queue_grows(model_dir):
+    mesh = Mesh(model_dir, workers=2, extra_scheduler=[
+        "--max-num-seqs", "2", "--autoscale-tokens-per-worker", "300", "--autoscale-max-workers", "3",
+        "--autoscale-scale-down-delay-s", "600"])
+    supervisor = Supervisor(mesh.children, mesh.redis_url, mesh.log_dir, autoscale=True,
+                            extra_worker=["--kv-memory-mib", "4"], folders={"default": str(model_dir)})
+    try:
+        assert supervisor.poll() is None and not supervisor.events  # the warm pool (2) is what runs
+
+        async def load():
+            return await run_all(mesh.addr, [greedy(f"queue up {i}", 60) for i in range(24)], timeout=300)
+
+        async def run():
+            task = asyncio.create_task(load())
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and len(supervisor.workers()) < 3:
+                assert supervisor.poll() is None
+                await asyncio.sleep(0.3)
+            return await task
+
+        results = asyncio.run(run())
+        assert len(supervisor.workers()) == 3
+        assert any(e.startswith("autoscale default: starting worker-2") and "queue" in e for e in supervisor.events)
+        assert all(r[3].reason == gen.LENGTH for r in results)
+        wait_serving(mesh.child("worker-2").address, 120, mesh.child("worker-2").process)
+    finally:
+        supervisor.close()
+        mesh.close()
