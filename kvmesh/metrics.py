@@ -83,6 +83,16 @@ class SchedulerMetrics:
                                      w, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
 
 
+    def forget(self, worker: str) -> None:
+        """Drops a departed worker's series, so replaced workers do not pile up."""
+        for metric in (self.running, self.waiting, self.token_queue, self.preemptions, self.prefix_queries,
+                       self.prefix_hits, self.orphaned_pages, self.step, self.batch_size, self.step_tokens):
+            try:
+                metric.remove(worker)
+            except KeyError:
+                pass
+
+
 class KVCacheMetrics:
     """Page accounting per worker: free + used + cached == total."""
 

@@ -49,6 +49,19 @@ async def collect(stub, request, timeout=60):
     return tokens, logprobs, "".join(texts), finish
 
 
+async def read_rest(call, head, on_message=None):
+    """The rest of a stream whose first message, already read, was `head`: (tokens, logprobs, finish)."""
+    tokens, logprobs, finish, response = [], [], None, head
+    while response is not grpc.aio.EOF:
+        tokens += [t.id for t in response.tokens]
+        logprobs += [t.logprob for t in response.tokens]
+        finish = response.finish if response.HasField("finish") else finish
+        if on_message is not None:
+            on_message()
+        response = await call.read()
+    return tokens, logprobs, finish
+
+
 async def page_stats(addr):
     async with grpc.aio.insecure_channel(addr) as ch:
         return (await kvcache_pb2_grpc.KVCacheStub(ch).Stats(kvcache_pb2.StatsRequest())).workers

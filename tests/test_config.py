@@ -36,3 +36,24 @@ def test_invalid_scheduler_setting_is_an_error_naming_it():
     assert proc.returncode == 2 and "worker_choice" in proc.stderr
     proc = serve_check("scheduler", "--victim-policy", "oldest")
     assert proc.returncode == 2 and "victim_policy" in proc.stderr
+
+
+def test_fleet_settings_are_checked_and_errors_name_the_setting():
+    import pytest
+
+    from kvmesh.services.config import RouterConfig, SchedulerServiceConfig, WorkerConfig
+
+    cases = [
+        (SchedulerServiceConfig, {"autoscale_max_workers": 1}, "autoscale_max_workers must be >= the warm pool size 2"),
+        (SchedulerServiceConfig, {"autoscale_tokens_per_worker": 0}, "autoscale_tokens_per_worker must be >= 1"),
+        (SchedulerServiceConfig, {"health_check_failures": 0}, "health_check_failures must be >= 1, got 0"),
+        (SchedulerServiceConfig, {"memory_limit_fraction": 1.5}, "memory_limit_fraction must be in (0, 1], got 1.5"),
+        (WorkerConfig, {"fault_rate": 2.0}, "fault_rate must be between 0 and 1, got 2.0"),
+        (WorkerConfig, {"version": " "}, "version must not be empty"),
+        (RouterConfig, {"model": "a=/x,a=/y"}, "model names must be distinct"),
+        (RouterConfig, {"model": "=/x"}, "model must be DIR or NAME=DIR"),
+    ]
+    for cls, settings, message in cases:
+        with pytest.raises(ValueError) as e:
+            cls(**settings)
+        assert message in str(e.value), (settings, str(e.value))

@@ -280,6 +280,10 @@ def test_a_host_model_folder_override_serves_it_on_router_and_workers():
         assert cfg.model in mounted and mounted[cfg.model].endswith(":ro"), name
     assert services["router"]["volumes"] != SERVICES["router"]["volumes"]
 
+    # The pool clients ask for is the one the workers serve and the scheduler batches.
+    router, worker, scheduler = (compose_check(services[n])[1] for n in ("router", "worker", "scheduler"))
+    assert router.model_name == worker.pool == scheduler.pool
+
 
 def test_compose_paths_resolve_from_the_compose_folder():
     for name in KVMESH_SERVICES:

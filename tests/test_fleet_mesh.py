@@ -20,7 +20,7 @@ from kvmesh.services.registry import drain_key, rollout_key
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect
+from local_mesh import Mesh, collect, read_rest
 from reference import assert_matches_reference, hf_greedy
 
 
@@ -214,16 +214,13 @@ def test_a_hung_worker_is_drained_its_streams_finish_elsewhere_and_it_is_replace
                 os.kill(hung.pid, signal.SIGSTOP)
                 stopped = time.monotonic()
                 drained_after = None
-                results = []
-                for call, head in zip(calls, heads):
-                    tokens, logprobs, finish = [t.id for t in head.tokens], [t.logprob for t in head.tokens], None
-                    while (response := await call.read()) is not grpc.aio.EOF:
-                        tokens += [t.id for t in response.tokens]
-                        logprobs += [t.logprob for t in response.tokens]
-                        finish = response.finish if response.HasField("finish") else finish
-                        if drained_after is None and r.exists(drain_key("worker-0")):
-                            drained_after = time.monotonic() - stopped
-                    results.append((tokens, logprobs, finish))
+
+                def note_drain():
+                    nonlocal drained_after
+                    if drained_after is None and r.exists(drain_key("worker-0")):
+                        drained_after = time.monotonic() - stopped
+
+                results = [await read_rest(call, head, note_drain) for call, head in zip(calls, heads)]
                 while drained_after is None and time.monotonic() - stopped < 30:
                     if r.exists(drain_key("worker-0")):
                         drained_after = time.monotonic() - stopped

@@ -11,7 +11,7 @@ import pytest
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect, page_stats, queue_state, wait_idle
+from local_mesh import Mesh, collect, page_stats, queue_state, read_rest, wait_idle
 from reference import assert_matches_reference, hf_greedy
 
 
@@ -158,14 +158,7 @@ def test_a_killed_workers_streams_continue_exactly_on_another_worker(model_dir):
                 calls = [stub.Generate(greedy(p, n)) for p in prompts]
                 first = [await call.read() for call in calls]  # every stream is mid-generation
                 os.kill(mesh.child("worker-0").process.pid, signal.SIGKILL)
-                results = []
-                for call, head in zip(calls, first):
-                    tokens, logprobs, finish = [t.id for t in head.tokens], [t.logprob for t in head.tokens], None
-                    while (response := await call.read()) is not grpc.aio.EOF:
-                        tokens += [t.id for t in response.tokens]
-                        logprobs += [t.logprob for t in response.tokens]
-                        finish = response.finish if response.HasField("finish") else finish
-                    results.append((tokens, logprobs, finish))
+                results = [await read_rest(call, head) for call, head in zip(calls, first)]
                 after = await asyncio.gather(*(collect(stub, greedy(f"after {i}", 8), timeout=30) for i in range(4)))
                 return results, after
 

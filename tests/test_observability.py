@@ -133,6 +133,8 @@ def test_after_traffic_every_service_exports_the_metrics_that_moved(mesh):
             await asyncio.gather(*(collect(stub, greedy(shared + f"question {i}", 6)) for i in range(6)))
             with pytest.raises(grpc.aio.AioRpcError):
                 await collect(stub, gen.GenerateRequest(prompt="x", sampling=gen.SamplingParams(temperature=-1)))
+            with pytest.raises(grpc.aio.AioRpcError):
+                await collect(stub, gen.GenerateRequest(model="no-such-model", prompt="x"))
 
     asyncio.run(traffic())
     asyncio.run(wait_idle(mesh.kvcache_addr))
@@ -146,6 +148,8 @@ def test_after_traffic_every_service_exports_the_metrics_that_moved(mesh):
     assert total(router, "kvmesh_request_success_total", finished_reason="length") >= 6
     assert total(router, "kvmesh_request_failure_total", code="INVALID_ARGUMENT") >= 1
     assert total(router, "kvmesh_generation_tokens_total") >= 36
+    labels = {l.get("model_name") for samples in router.values() for l, _ in samples}
+    assert "no-such-model" not in labels  # the label set holds served pools only
 
     scheduler = scrape(mesh.child("scheduler").http)
     for histogram in ("kvmesh_step_duration_seconds", "kvmesh_batch_size", "kvmesh_step_tokens"):

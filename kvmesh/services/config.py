@@ -84,8 +84,9 @@ class WorkerConfig:
     def __post_init__(self):
         if not 0.0 <= self.fault_rate <= 1.0:
             raise ValueError(f"fault_rate must be between 0 and 1, got {self.fault_rate}")
-        if not self.pool or not self.version:
-            raise ValueError("pool and version must not be empty")
+        for name in ("pool", "version"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"{name} must not be empty")
     metrics_port: int = dataclasses.field(default=9104, metadata=_help("Prometheus /metrics HTTP port (0: pick a free one; -1: off)"))
 
 
@@ -128,20 +129,32 @@ class SchedulerServiceConfig:
         if self.max_queue_len < 1 or self.max_queue_wait_s < 0:
             raise ValueError(f"max_queue_len must be >= 1 and max_queue_wait_s >= 0, got {self.max_queue_len} and {self.max_queue_wait_s}")
         PlacementConfig(self.worker_choice, self.prefill_weight, self.load_weight, self.balance_ratio, self.balance_slack_pages)
-        if self.health_check_interval_s < 0 or self.health_check_failures < 1:
-            raise ValueError(f"health_check_interval_s must be >= 0 and health_check_failures >= 1, "
-                             f"got {self.health_check_interval_s} and {self.health_check_failures}")
-        if not 0 < self.memory_limit_fraction <= 1 or self.admission_ramp_s < 0:
-            raise ValueError(f"memory_limit_fraction must be in (0, 1] and admission_ramp_s >= 0, "
-                             f"got {self.memory_limit_fraction} and {self.admission_ramp_s}")
+        if self.health_check_interval_s < 0:
+            raise ValueError(f"health_check_interval_s must be >= 0, got {self.health_check_interval_s}")
+        if self.health_check_failures < 1:
+            raise ValueError(f"health_check_failures must be >= 1, got {self.health_check_failures}")
+        if not 0 < self.memory_limit_fraction <= 1:
+            raise ValueError(f"memory_limit_fraction must be in (0, 1], got {self.memory_limit_fraction}")
+        if self.admission_ramp_s < 0:
+            raise ValueError(f"admission_ramp_s must be >= 0, got {self.admission_ramp_s}")
         self.autoscale_policy()
 
     def autoscale_policy(self):
+        """The pool's AutoscalePolicy; its errors name these settings (autoscale_*), not the policy's fields."""
+        import re
+
         from kvmesh.fleet.autoscale import AutoscalePolicy
 
-        return AutoscalePolicy(self.autoscale_tokens_per_worker, self.autoscale_ttft_slo_s, self.autoscale_rate_per_worker,
-                               self.autoscale_peak_rate, self.autoscale_min_workers, self.autoscale_max_workers,
-                               self.autoscale_scale_down_delay_s)
+        try:
+            return AutoscalePolicy(self.autoscale_tokens_per_worker, self.autoscale_ttft_slo_s,
+                                   self.autoscale_rate_per_worker, self.autoscale_peak_rate, self.autoscale_min_workers,
+                                   self.autoscale_max_workers, self.autoscale_scale_down_delay_s)
+        except ValueError as e:
+            names = {"tokens_per_worker": "autoscale_tokens_per_worker", "ttft_p95_slo_s": "autoscale_ttft_slo_s",
+                     "rate_per_worker": "autoscale_rate_per_worker", "peak_expected_rate": "autoscale_peak_rate",
+                     "min_workers": "autoscale_min_workers", "max_workers": "autoscale_max_workers",
+                     "scale_down_delay_s": "autoscale_scale_down_delay_s"}
+            raise ValueError(re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m.group(1)], str(e))) from None
 
     def core_config(self):
         from kvmesh.services.scheduler.core import SchedulerConfig

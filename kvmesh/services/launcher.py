@@ -239,6 +239,7 @@ class Supervisor:
 
     def _restart_exited(self) -> None:
         from kvmesh.fleet.health import backoff_delay
+        from kvmesh.services.registry import drain_key
 
         now = time.monotonic()
         for child in self.workers():
@@ -253,6 +254,7 @@ class Supervisor:
                 at = now + backoff_delay(attempts, 1.0, 30.0, self.rng)
                 self.restarts[child.name] = (attempts, at)
             elif now >= at:
+                self.redis.delete(drain_key(child.name))  # the new process must not be taken for the drained one
                 child.start()
                 self.started_at[child.name] = now
                 self.restarts[child.name] = (attempts + 1, None)
@@ -285,6 +287,9 @@ class Supervisor:
                                f"{state['autoscale']['reason']})")
 
     def _add_worker(self, pool: str, reason: str) -> None:
+        gone = [c for c in self.workers() if c.retired and c.process.poll() is not None]
+        for child in gone:  # a worker stopped by autoscaling frees its name for the next one
+            self.children.remove(child)
         names = {c.name for c in self.workers()}
         index = next(i for i in range(10_000) if (f"worker-{i}" if self.single else f"{pool}-worker-{i}") not in names)
         env = next((c.env for c in self.children if c.env), None)

@@ -17,7 +17,7 @@ def build_app(service) -> web.Application:
 
     async def ready(_request):
         if service.is_ready:
-            return web.json_response({"status": "ready", "models": [service.cfg.model_name]})
+            return web.json_response({"status": "ready", "models": [p.name for p in service.pools.values() if p.ready]})
         return web.json_response({"status": "not ready", "reason": "no scheduler with a ready worker"}, status=503)
 
     async def metrics(_request):

@@ -73,13 +73,21 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                         if w.get("pool", "default") == pool.name:
                             versions[w.get("version", "v1")] = versions.get(w.get("version", "v1"), 0) + 1
                     pool.versions = versions
-                    stored = await self.registry.rollout(pool.name)
-                    pool.rollout = RolloutState.from_json(stored) if stored else None
+                    pool.rollout = await self._rollout(pool.name)
                 self.is_ready = any(p.ready for p in self.pools.values())
                 await on_ready(self.is_ready)
             except Exception as e:
                 log.warning("discovery failed: %s", e)
             await asyncio.sleep(0.5)
+
+    async def _rollout(self, pool: str) -> RolloutState | None:
+        """The pool's rollout state; a record this router cannot read counts as none (and is logged)."""
+        stored = await self.registry.rollout(pool)
+        try:
+            return RolloutState.from_json(stored) if stored else None
+        except (ValueError, TypeError) as e:
+            log.warning("ignoring the rollout state of %s: %s", pool, e)
+            return None
 
     def pool_for(self, name: str) -> Pool:
         """The pool clients call `name` ('' is the first one); RouterError(NOT_FOUND) if none."""
@@ -142,6 +150,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         Records the request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
         started = time.monotonic()
         model = request.model or self.default_pool
+        model = model if model in self.pools else "unknown"  # a label per served pool only: bounded
         self.metrics.in_flight.labels(model).inc()
         try:
             async for out in self._generate(request, timeout, span, started):
@@ -161,8 +170,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field) from None
         if not pool.ready:
+            waited = time.monotonic()
             await self._ready_pool(pool, timeout)
             submit.version = pool.version_for(submit.request_id)
+            timeout = None if timeout is None else timeout - (time.monotonic() - waited)
         span.set_attribute("kvmesh.model", pool.name)
         span.set_attribute("kvmesh.request_id", submit.request_id)
         span.set_attribute("kvmesh.prompt_tokens", len(submit.prompt_token_ids))

@@ -54,7 +54,8 @@ class Outcomes:
 
     def window(self, version: str, since: float) -> WindowStats:
         recent = [o for o in self.items if o.version == version and o.at >= since]
-        latencies = [o.latency_s for o in recent if not o.error]
+        # Latency of the requests that succeeded; if none did, of all (the error rate decides then).
+        latencies = [o.latency_s for o in recent if not o.error] or [o.latency_s for o in recent]
         p99 = float(np.percentile(latencies, 99)) if latencies else None
         return WindowStats(len(recent), sum(o.error for o in recent), p99)
 
@@ -89,13 +90,17 @@ class HealthChecks:
     async def check(self, loop, timeout: float) -> None:
         inference, memory = await asyncio.gather(self.inference(loop, timeout), self.memory(loop, timeout))
         for check, (ok, detail) in (("inference", inference), ("memory", memory)):
+            if ok is None:
+                continue
             transition = self.tracker.record(loop.worker_id, check, ok, detail)
             if transition is not None:
                 log.warning("worker %s: %s -> %s (%s)", loop.worker_id, transition.old, transition.new, transition.reason)
             if transition is not None and transition.new == DRAIN and not loop.draining:
                 await self.drain(loop, transition.reason)
 
-    async def inference(self, loop, timeout: float) -> tuple[bool, str]:
+    async def inference(self, loop, timeout: float) -> tuple[bool | None, str]:
+        """(ok, detail); ok is None when the check never got a place in a batch before the timeout:
+        a busy worker is not a sick one (a hung one fails the memory check, which needs no batch)."""
         info = loop.info
         req = Request(f"health-check-{uuid.uuid4().hex[:12]}", list(info.check_prompt), SamplingParams(temperature=0.0),
                       StoppingParams(max_new_tokens=len(info.check_answer), ignore_eos=True), priority=CHECK_PRIORITY)
@@ -104,6 +109,7 @@ class HealthChecks:
             queue = loop.submit(req, [], 0)
         except ValueError as e:
             return False, str(e)
+        loop.health_checks.add(req.request_id)
 
         async def answer() -> None:
             while True:
@@ -116,8 +122,11 @@ class HealthChecks:
         try:
             await asyncio.wait_for(answer(), timeout)
         except asyncio.TimeoutError:
+            if req.first_scheduled_time is None:
+                return None, "not admitted in time (the worker is busy): inconclusive"
             return False, f"no answer within {timeout:.1f}s ({len(tokens)} of {len(info.check_answer)} tokens)"
         finally:
+            loop.health_checks.discard(req.request_id)
             loop.done(req.request_id, [], finished=req.is_finished)
         if tokens != list(info.check_answer):
             return False, f"answered {tokens}, expected {list(info.check_answer)}"
@@ -152,8 +161,8 @@ class HealthChecks:
 
 class RolloutController:
     """Drives the pool's canary rollout (state in Redis, written with compare-and-set) once a second.
-    One scheduler of the pool holds the leader lease; it judges each window from the requests it
-    finished itself (requests reach schedulers round-robin, so that is a fair sample)."""
+    The lease makes it safe to run it in more than one process; today a pool has one scheduler
+    (a worker takes one scheduler's step stream at a time), which judges from its own requests."""
 
     def __init__(self, service, holder: str):
         self.service = service

@@ -61,6 +61,7 @@ class WorkerLoop:
         self.task: asyncio.Task | None = None
         self.stub: worker_pb2_grpc.WorkerStub | None = None
         self.on_gone = on_gone  # (loop, reason) -> moves its requests to other workers when the worker dies
+        self.health_checks: set[str] = set()  # request ids of health checks in flight (never moved)
         self.pool = RecordingPagePool(info.num_pages, info.page_size, cfg.prefix_caching)
         self.core = Scheduler(self.pool, cfg.core_config())
         self.kvcache = kvcache
@@ -189,7 +190,10 @@ class WorkerLoop:
             self.alive = False
             call.cancel()
             if self.on_gone is not None and self.core.requests:
-                self.on_gone(self, reason)  # streams continue, recomputed on another worker
+                try:
+                    self.on_gone(self, reason)  # streams continue, recomputed on another worker
+                except Exception:
+                    log.exception("moving the requests of worker %s failed", self.worker_id)
             self._fail(list(self.core.requests), f"worker {self.worker_id} failed ({reason}) and no other worker could take over")
             await self._page_ops.put(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True))
             await self._page_ops.put(None)
@@ -286,7 +290,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.outcomes = Outcomes()  # finished requests per version: rollouts and autoscaling read them
         self.health = HealthChecks(self)
         self.autoscale = AutoscaleSignal(self)
-        self._first_discovery_done = False
+        self._ramp_new_workers = False  # set once workers are known: later ones ramp up their admissions
 
     def kvcache(self):
         return self._kvcache_stub
@@ -311,15 +315,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         steps = sum(w.timing["steps"] for w in self.workers.values())
         busy = sum(w.timing["forward_s"] + w.timing["wire_s"] for w in self.workers.values())
         per_step = busy / steps if steps else 0.1
-        return max(1.0, tokens / self.cfg.max_batched_tokens * per_step / max(1, len(self.workers)))
+        serving = sum(w.alive and not w.draining for w in self.workers.values())
+        return max(1.0, tokens / self.cfg.max_batched_tokens * per_step / max(1, serving))
 
     async def Submit(self, request, context):
         span = self.tracer.start_span("kvmesh.schedule", kind=telemetry.SpanKind.SERVER,
                                       context=telemetry.context_from_metadata(context.invocation_metadata()))
+        events = self._submit(request, context, span)
         try:
-            async for event in self._submit(request, context, span):
+            async for event in events:
                 yield event
         finally:
+            await events.aclose()  # at once: a client that left frees its request now, not at garbage collection
             span.end()
 
     async def _abort(self, context, span, code: grpc.StatusCode, message: str):
@@ -395,6 +402,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             hashes = self.page_hashes(req.prompt_token_ids)
             target = self.pick_worker(hashes, loop.version, exclude=loop)
             try:
+                if req.request_id in loop.health_checks:
+                    raise ValueError("a health check belongs to its worker")
                 if target is None:
                     raise ValueError(f"no other worker of version {loop.version!r} is ready")
                 target.submit(req, hashes, target.view(hashes).prefix_pages, queue=queue)
@@ -431,12 +440,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         kv = await self.registry.services("kvcache")
         if kv and self._kvcache_stub is None:
             self._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(grpc.aio.insecure_channel(kv[0]["address"]))
-        for record in await self.registry.services("worker"):
-            if record.get("pool", "default") != self.cfg.pool:
-                continue
+        records = [r for r in await self.registry.services("worker") if r.get("pool", "default") == self.cfg.pool]
+        for record in records:
             current = self.workers.get(record["id"])
-            if current is not None and current.alive and current.info.epoch == record["epoch"]:
-                continue
+            if current is not None and current.info.epoch == record["epoch"] and (current.alive or current.draining):
+                continue  # known; a drained worker stays drained until it restarts (a new epoch)
             channel = grpc.aio.insecure_channel(record["address"])
             try:
                 info = await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
@@ -447,12 +455,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 current.alive = False  # restarted under the same id: the old loop's stream will break
             self.health.forget(record["id"])
             loop = WorkerLoop(record, info, self.cfg, self.kvcache, self.metrics, on_gone=self.move_requests)
-            if self._first_discovery_done and self.cfg.admission_ramp_s:
+            if self._ramp_new_workers and self.cfg.admission_ramp_s:
                 loop.ramp = AdmissionRamp(time.monotonic(), self.cfg.max_num_seqs, self.cfg.admission_ramp_s)
             self.workers[record["id"]] = loop
             loop.task = asyncio.create_task(loop.run(channel))
             log.info("scheduling on worker %s (%s %s) at %s", loop.worker_id, self.cfg.pool, loop.version, loop.address)
-        self._first_discovery_done = True
+        self._ramp_new_workers = self._ramp_new_workers or bool(self.workers)  # the first ones start at full speed
+        registered = {r["id"] for r in records}
+        for worker_id, loop in list(self.workers.items()):
+            if not loop.alive and worker_id not in registered and loop.task and loop.task.done():
+                del self.workers[worker_id]  # gone for good: forget its loop and its metric series
+                self.metrics.forget(worker_id)
+                self.health.forget(worker_id)
 
     async def publish_queue_state(self, scheduler_id: str) -> None:
         """Every half second, off the batching loop: ends requests waiting past max_queue_wait_s,
@@ -461,35 +475,37 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         tokens (prompt still to compute plus output still to come), the running ones, and step timing."""
         key = queue_state_key(scheduler_id)
         while True:
-            workers = {}
-            for w in self.workers.values():
-                if self.cfg.max_queue_wait_s and w.alive:
-                    w.dispatch_expired(self.cfg.max_queue_wait_s)
-                waiting = [{"id": r.request_id, "priority": r.priority, "estimated_tokens": w.estimated_tokens(r)}
-                           for r in w.core.waiting]
-                w.publish_metrics(sum(r["estimated_tokens"] for r in waiting))
-                workers[w.worker_id] = {
-                    "alive": w.alive and not w.draining,
-                    "version": w.version,
-                    "waiting": waiting,
-                    "running": [r.request_id for r in w.core.running],
-                    "estimated_tokens": sum(r["estimated_tokens"] for r in waiting),
-                    "step_timing": w.timing,
-                }
-            estimated = sum(w["estimated_tokens"] for w in workers.values())
-            state = {
-                "pool": self.cfg.pool,
-                "waiting": sum(len(w["waiting"]) for w in workers.values()),
-                "running": sum(len(w["running"]) for w in workers.values()),
-                "estimated_tokens": estimated,
-                "autoscale": self.autoscale.update(estimated),
-                "workers": workers,
-            }
             try:
-                await self.registry.redis.set(key, json.dumps(state), px=3000)
-            except Exception as e:
-                log.warning("queue state write failed: %s", e)
+                await self.registry.redis.set(key, json.dumps(self._queue_state()), px=3000)
+            except Exception as e:  # Redis down, or a bug: the next round tries again
+                log.warning("queue state: %s", e)
             await asyncio.sleep(0.5)
+
+    def _queue_state(self) -> dict:
+        workers = {}
+        for w in self.workers.values():
+            if self.cfg.max_queue_wait_s and w.alive:
+                w.dispatch_expired(self.cfg.max_queue_wait_s)
+            waiting = [{"id": r.request_id, "priority": r.priority, "estimated_tokens": w.estimated_tokens(r)}
+                       for r in w.core.waiting]
+            w.publish_metrics(sum(r["estimated_tokens"] for r in waiting))
+            workers[w.worker_id] = {
+                "alive": w.alive and not w.draining,
+                "version": w.version,
+                "waiting": waiting,
+                "running": [r.request_id for r in w.core.running],
+                "estimated_tokens": sum(r["estimated_tokens"] for r in waiting),
+                "step_timing": w.timing,
+            }
+        estimated = sum(w["estimated_tokens"] for w in workers.values())
+        return {
+            "pool": self.cfg.pool,
+            "waiting": sum(len(w["waiting"]) for w in workers.values()),
+            "running": sum(len(w["running"]) for w in workers.values()),
+            "estimated_tokens": estimated,
+            "autoscale": self.autoscale.update(estimated),
+            "workers": workers,
+        }
 
 
 def _wall_ns(monotonic_s: float) -> int:

@@ -150,8 +150,10 @@ def inject_faults(result, rate: float) -> None:
 
 
 class MemoryProbe:
-    """Memory in use and in total: device memory through pynvml on CUDA, else this process's
-    resident memory against the machine's."""
+    """Memory in use and in total. On CUDA (through pynvml): this process's device memory on its
+    own device (found by UUID, since NVML ignores CUDA_VISIBLE_DEVICES) against the device's total;
+    where NVML cannot see the process (a PID namespace), torch's reserved memory. On CPU: this
+    process's resident memory against the machine's."""
 
     def __init__(self):
         import psutil
@@ -164,25 +166,34 @@ class MemoryProbe:
             import torch
 
             if torch.cuda.is_available():
+                self.device = torch.cuda.current_device()
                 pynvml.nvmlInit()
-                self.nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-                self.nvml = pynvml
-        except Exception:  # no GPU, or pynvml not installed (the `gpu` extra)
+                uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+                self.nvml_handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+                self.nvml, self.torch = pynvml, torch
+        except Exception as e:  # no GPU, or pynvml not installed (the `gpu` extra)
+            if self.nvml_handle is None and "cuda" in str(e).lower():
+                log.warning("GPU memory check unavailable: %s", e)
             self.nvml_handle = None
 
     def resident(self) -> int:
         return self.process.memory_info().rss
 
+    def gpu_used(self) -> int:
+        for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.nvml_handle):
+            if p.pid == self.process.pid and p.usedGpuMemory:
+                return int(p.usedGpuMemory)
+        return int(self.torch.cuda.memory_reserved(self.device))
+
     def read(self) -> tuple[int, int]:
         if self.nvml_handle is not None:
-            m = self.nvml.nvmlDeviceGetMemoryInfo(self.nvml_handle)
-            return m.used, m.total
+            return self.gpu_used(), int(self.nvml.nvmlDeviceGetMemoryInfo(self.nvml_handle).total)
         return self.resident(), self.machine_total
 
     def export(self, metrics: WorkerMetrics) -> None:
         metrics.memory.labels(metrics.worker, "resident").set_function(self.resident)
         if self.nvml_handle is not None:
-            metrics.memory.labels(metrics.worker, "gpu_used").set_function(lambda: self.read()[0])
+            metrics.memory.labels(metrics.worker, "gpu_used").set_function(self.gpu_used)
             metrics.memory.labels(metrics.worker, "gpu_total").set_function(lambda: self.read()[1])
 
 
@@ -261,9 +272,9 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     service.memory = MemoryProbe()
     service.memory.export(service.metrics)
     log.info("worker %s listening on %s, loading model", worker_id, address)
-    service.runner = runner = await asyncio.get_running_loop().run_in_executor(service._compute, load_runner, cfg)
     registry = Registry(common.redis_url)
     await registry.clear_drained(worker_id)  # a fresh process: whatever drained the last one is gone with it
+    service.runner = runner = await asyncio.get_running_loop().run_in_executor(service._compute, load_runner, cfg)
     epoch = await registry.next_epoch(worker_id)
     model_dir = Path(cfg.model) if cfg.model else None
     mcfg = runner.model.cfg
