@@ -2,7 +2,7 @@
 sampling: every request, every token step, exported over OTLP/gRPC to a receiver in this process),
 and on with the collector down (the endpoint refuses connections).
 
-    cd bench && ../.venv/bin/python tracing_overhead.py [ROUNDS]
+    cd bench && ../.venv/bin/python tracing_overhead.py [ROUNDS [CONFIGS]]   # CONFIGS: e.g. off,down
 
 The three meshes run side by side (idle while another is measured) and are measured in turns,
 ROUNDS times (default 4) after a warm-up run on each, so the machine's drift hits each
@@ -32,6 +32,8 @@ def main() -> None:
     otlp = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"}
     down = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}", "OTEL_EXPORTER_OTLP_INSECURE": "true"}
     configs = {"tracing off": {}, "tracing on": otlp, "collector down": down}
+    if len(sys.argv) > 2:  # a subset, by first word: off, on, down
+        configs = {name: env for name, env in configs.items() if name.split()[-1] in sys.argv[2].split(",")}
     meshes = {}
     try:
         for name, env in configs.items():

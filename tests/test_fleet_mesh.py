@@ -140,6 +140,23 @@ async def list_models(addr):
         return (await generation_pb2_grpc.GenerationStub(ch).ListModels(gen.ListModelsRequest())).models
 
 
+def test_a_canary_without_a_ready_worker_gets_no_traffic(one_worker_mesh):
+    mesh = one_worker_mesh
+    rollout(mesh, "start", "--model", "default", "--canary", "v2", "--stable", "v1", "--steps", "50,100",
+            "--interval", "1h")
+    time.sleep(1.5)
+    results = asyncio.run(run_all(mesh.addr, [greedy(f"no canary yet {i}", 2) for i in range(10)]))
+    assert all(r[3].reason == gen.LENGTH and r[3].model_version == "v1" for r in results)
+    listed = asyncio.run(list_models(mesh.addr))
+    assert {v.version: v.traffic_percent for v in listed[0].versions} == {"v1": 100.0}
+
+
+def test_kvmesh_up_rejects_two_pools_with_one_name(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "up", "--model", f"a={tmp_path}", "--model",
+                          f"a={tmp_path}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--model: model names must be distinct" in out.stderr
+
+
 def drive_until(mesh, done, timeout=90, batch=4):
     """Sends small batches of requests until `done(state)` holds for the rollout state."""
     deadline, sent, finishes = time.monotonic() + timeout, 0, []

@@ -8,6 +8,7 @@ and ends every stream with a `finish` carrying reason, usage and timings. Only t
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import random
 import time
@@ -16,13 +17,13 @@ import uuid
 import grpc
 
 from kvmesh import telemetry
+from kvmesh.fleet.rollout import RolloutState
 from kvmesh.metrics import RouterMetrics
 from kvmesh.params import InvalidRequest, validate_request
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry
-from kvmesh.fleet.rollout import RolloutState
 from kvmesh.services.router.pools import Pool, parse_models
 from kvmesh.services.router.stops import StopStringMatcher
 from kvmesh.tokenizer import IncrementalDetokenizer
@@ -134,7 +135,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         if not self.api_keys:
             return
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip(), k) for k in self.api_keys):
             raise RouterError(grpc.StatusCode.UNAUTHENTICATED,
                               "missing or wrong API key: send `authorization: Bearer <key>`")
 

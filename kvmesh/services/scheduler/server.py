@@ -20,6 +20,7 @@ from collections import Counter
 import grpc
 
 from kvmesh import telemetry
+from kvmesh.fleet.health import AdmissionRamp
 from kvmesh.metrics import SchedulerMetrics, serve_metrics
 from kvmesh.params import InvalidRequest
 from kvmesh.services import wire
@@ -30,10 +31,8 @@ from kvmesh.services.kvcache.replica import RecordingPagePool
 from kvmesh.services.registry import Registry, queue_state_key
 from kvmesh.services.scheduler.core import Scheduler, TokenEvent
 from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker
-from kvmesh.fleet.health import AdmissionRamp
 from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outcomes, RolloutController
-from kvmesh.services.scheduler.request import FinishReason, Request
-from kvmesh.services.scheduler.request import Status as RequestStatus
+from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -410,7 +409,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.owner[req.request_id] = target
                 moved += 1
             except (InvalidRequest, ValueError) as e:
-                req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
+                req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
                 queue.put_nowait(TokenEvent(req, None, None, FinishReason.ERROR,
                                             f"worker {loop.worker_id} left ({reason}); {e}"))
         if moved:
