@@ -15,8 +15,9 @@ import redis
 
 from kvmesh.fleet.canary import choose_version
 from kvmesh.modelgen import SIZES, make_model
-from kvmesh.services.launcher import Supervisor, free_port, serve_command, wait_scheduled, wait_serving
+from kvmesh.services.launcher import free_port, serve_command, wait_scheduled, wait_serving
 from kvmesh.services.registry import drain_key, rollout_key
+from kvmesh.services.supervisor import Supervisor
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc

@@ -1,0 +1,255 @@
+"""One worker's continuous batching loop, as the scheduler runs it.
+
+A `WorkerLoop` holds the worker's page-pool replica and the scheduler core, and drives one
+long-lived `Worker/Step` stream: one round trip per step. After each step it hands tokens to the
+requests' streams and ships the step's page operations to the kvcache service in one write-behind
+call. When the stream breaks it hands its requests to `on_gone` (the service moves them to other
+workers), and fails with an ERROR finish only those nobody can take.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import grpc
+
+from kvmesh.metrics import SchedulerMetrics
+from kvmesh.services import wire
+from kvmesh.services.config import SchedulerServiceConfig
+from kvmesh.services.kvcache.replica import RecordingPagePool
+from kvmesh.services.scheduler.core import Scheduler, TokenEvent
+from kvmesh.services.scheduler.placement import WorkerView
+from kvmesh.services.scheduler.request import FinishReason, Request
+from kvmesh.v1 import kvcache_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("kvmesh.scheduler")
+
+
+class WorkerGone(Exception):
+    pass
+
+
+class WorkerLoop:
+    """Continuous batching for one worker."""
+
+    def __init__(self, record: dict, info: worker_pb2.WorkerInfo, cfg: SchedulerServiceConfig, kvcache,
+                 metrics: SchedulerMetrics, on_gone=None):
+        self.worker_id = record["id"]
+        self.address = record["address"]
+        self.info = info
+        self.version = info.version or "v1"
+        self.draining = False  # failed its health checks: takes nothing new
+        self.ramp = None  # an AdmissionRamp while a late-joining worker takes load gradually
+        self.task: asyncio.Task | None = None
+        self.stub: worker_pb2_grpc.WorkerStub | None = None
+        self.on_gone = on_gone  # (loop, reason) -> moves its requests to other workers when the worker dies
+        self.health_checks: set[str] = set()  # request ids of health checks in flight (never moved)
+        self.pool = RecordingPagePool(info.num_pages, info.page_size, cfg.prefix_caching)
+        self.core = Scheduler(self.pool, cfg.core_config())
+        self.kvcache = kvcache
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.queued_hashes: Counter[bytes] = Counter()  # prompt pages of this worker's requests
+        self.expected_hits: dict[str, int] = {}  # request id -> prompt tokens expected from the cache
+        self.wake = asyncio.Event()
+        self.alive = True
+        self._page_ops: asyncio.Queue = asyncio.Queue()
+        # Cumulative seconds per part of a step: scheduling, the worker's forward pass, the rest
+        # of the round trip (wire and (de)serialisation), and applying the result.
+        self.timing = {"steps": 0, "schedule_s": 0.0, "forward_s": 0.0, "wire_s": 0.0, "update_s": 0.0}
+        self.metrics = metrics
+        self._step_hist, self._batch_hist, self._tokens_hist = (
+            h.labels(self.worker_id) for h in (metrics.step, metrics.batch_size, metrics.step_tokens))
+        self._preemptions_seen = 0
+
+    def view(self, hashes: list[bytes]) -> WorkerView:
+        """What placement needs to know about this worker for a prompt with these page hashes."""
+        held = 0
+        for h in hashes:
+            if h not in self.pool.index and h not in self.queued_hashes:
+                break
+            held += 1
+        remaining = sum(self.estimated_tokens(r) for r in self.core.requests.values())
+        stats = self.pool.stats()
+        return WorkerView(self.worker_id, held, remaining / self.pool.page_size, stats.used + stats.cached)
+
+    def estimated_tokens(self, r: Request) -> int:
+        """Tokens still to compute (prompt not yet computed nor expected from the cache) or to generate."""
+        computed = max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0))
+        return (r.num_tokens - computed) + (r.stopping.max_new_tokens - len(r.output_token_ids))
+
+    def submit(self, req: Request, hashes: list[bytes], expected_hit_pages: int,
+               queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queues the request (ValueError or InvalidRequest, changing nothing, if it cannot be).
+        `queue` is the stream of a request moved here from a drained worker."""
+        self.core.check_fits(req)
+        self.core.add(req)  # first: it rejects a request_id in use before any state is touched
+        if req.traceparent:
+            self.pool.traceparents[req.request_id] = req.traceparent
+        self.expected_hits[req.request_id] = expected_hit_pages * self.pool.page_size
+        queue = queue or asyncio.Queue()
+        self.streams[req.request_id] = queue
+        self.queued_hashes.update(hashes)
+        self.wake.set()
+        return queue
+
+    def done(self, request_id: str, hashes: list[bytes], finished: bool) -> None:
+        """The request's stream ended; cancel it here unless it finished."""
+        self.streams.pop(request_id, None)
+        self.expected_hits.pop(request_id, None)
+        self.queued_hashes.subtract(hashes)
+        self.queued_hashes += Counter()  # drop zero counts
+        if not finished:
+            self.core.abort(request_id)  # records the RELEASE (with its trace context) before the pop below
+            self.wake.set()
+        self.pool.traceparents.pop(request_id, None)
+
+    def take_all(self) -> list[tuple[Request, asyncio.Queue]]:
+        """Every request with its stream, removed from this worker and reset for recompute elsewhere."""
+        moved = []
+        for req in self.core.take_all():
+            queue = self.streams.pop(req.request_id, None)
+            self.expected_hits.pop(req.request_id, None)
+            if queue is not None:
+                moved.append((req, queue))
+        self.queued_hashes.clear()
+        self._queue_ops()
+        return moved
+
+    def stop(self) -> None:
+        """Ends the batching loop now (a hung worker never answers its step)."""
+        self.alive = False
+        if self.task is not None:
+            self.task.cancel()
+
+    async def run(self, channel: grpc.aio.Channel) -> None:
+        shipper = asyncio.create_task(self._ship_page_ops())
+        self.stub = worker_pb2_grpc.WorkerStub(channel)
+        call = self.stub.Step()
+        step = 0
+        pending_read = None  # a read left open while idle: it completes only if the stream ends
+        reason = "stopped"
+        try:
+            while True:
+                if not self.core.has_unfinished():
+                    self._queue_ops()
+                    self.wake.clear()
+                    pending_read = pending_read or asyncio.ensure_future(call.read())
+                    woken = asyncio.ensure_future(self.wake.wait())
+                    await asyncio.wait({pending_read, woken}, return_when=asyncio.FIRST_COMPLETED)
+                    if pending_read.done():
+                        woken.cancel()
+                        pending_read.result()  # raises the stream's error, if it has one
+                        raise WorkerGone("the worker closed its step stream")
+                t0 = time.perf_counter()
+                if self.ramp is not None:
+                    self.core.seq_limit = self.ramp.limit(time.monotonic())
+                    self.ramp = None if self.core.seq_limit >= self.core.config.max_num_seqs else self.ramp
+                plan = self.core.schedule()
+                step += 1
+                self._count_admissions(plan)
+                t1 = time.perf_counter()
+                await call.write(wire.plan_to_proto(step, plan))
+                result = await (pending_read or call.read())
+                pending_read = None
+                t2 = time.perf_counter()
+                if result is grpc.aio.EOF:
+                    raise WorkerGone("the worker closed its step stream")
+                if result.error:
+                    self._fail([c.seq_id for c in plan.scheduled], f"worker {self.worker_id} step failed: {result.error}")
+                    continue
+                self._dispatch(self.core.update(plan, wire.result_from_proto(result)))
+                if result.failed:
+                    self._fail(list(result.failed), f"worker {self.worker_id} failed the request")
+                self._queue_ops()
+                self._account(t0, t1, t2, result.forward_ms / 1000)
+                self._step_hist.observe(t2 - t1)
+                self._batch_hist.observe(len(plan.scheduled))
+                self._tokens_hist.observe(plan.num_tokens)
+        except (grpc.aio.AioRpcError, WorkerGone) as e:
+            log.error("worker %s is gone: %s", self.worker_id, e)
+            reason = f"its step stream broke: {e.code().name if isinstance(e, grpc.aio.AioRpcError) else e}"
+        finally:
+            self.alive = False
+            call.cancel()
+            if self.on_gone is not None and self.core.requests:
+                try:
+                    self.on_gone(self, reason)  # streams continue, recomputed on another worker
+                except Exception:
+                    log.exception("moving the requests of worker %s failed", self.worker_id)
+            self._fail(list(self.core.requests), f"worker {self.worker_id} failed ({reason}) and no other worker could take over")
+            await self._page_ops.put(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True))
+            await self._page_ops.put(None)
+            await shipper
+
+    def _account(self, t0: float, t1: float, t2: float, forward_s: float) -> None:
+        t = self.timing
+        t["steps"] += 1
+        t["schedule_s"] += t1 - t0
+        t["forward_s"] += forward_s
+        t["wire_s"] += (t2 - t1) - forward_s
+        t["update_s"] += time.perf_counter() - t2
+
+    def _count_admissions(self, plan) -> None:
+        """Prefix cache queries and hits (in prompt tokens) at a request's first admission; preemptions."""
+        m = self.metrics
+        for new in plan.new:
+            req = self.core.requests.get(new.seq_id)
+            if req is not None and req.num_preemptions == 0:
+                m.prefix_queries.labels(self.worker_id).inc(len(req.prompt_token_ids))
+                m.prefix_hits.labels(self.worker_id).inc(req.num_cached_prompt_tokens)
+        if self.core.num_preemptions != self._preemptions_seen:
+            m.preemptions.labels(self.worker_id).inc(self.core.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = self.core.num_preemptions
+
+    def publish_metrics(self, waiting_tokens: int) -> None:
+        m, w = self.metrics, self.worker_id
+        m.running.labels(w).set(len(self.core.running))
+        m.waiting.labels(w).set(len(self.core.waiting))
+        m.token_queue.labels(w).set(waiting_tokens)
+        m.orphaned_pages.labels(w).set(self.pages_held_by_finished())
+
+    def pages_held_by_finished(self) -> int:
+        """Pages in tables of sequences the core no longer tracks: a leak if ever above zero."""
+        held = set()
+        for seq_id, table in self.pool.tables.items():
+            if seq_id not in self.core.requests:
+                held.update(table.page_ids)
+        return len(held)
+
+    def dispatch_expired(self, max_wait_s: float) -> None:
+        self._dispatch(self.core.expire_waiting(max_wait_s))
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            queue = self.streams.get(event.request.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+
+    def _fail(self, request_ids: list[str], message: str) -> None:
+        for request_id in request_ids:
+            event = self.core.abort(request_id, FinishReason.ERROR)
+            queue = self.streams.get(request_id)
+            if event is not None and queue is not None:
+                event.message = message
+                queue.put_nowait(event)
+
+    def _queue_ops(self) -> None:
+        ops = self.pool.drain()
+        if ops:
+            self._page_ops.put_nowait(kvcache_pb2.ApplyRequest(
+                worker_id=self.worker_id, epoch=self.info.epoch, num_pages=self.info.num_pages,
+                page_size=self.info.page_size, ops=ops))
+
+    async def _ship_page_ops(self) -> None:
+        """Sends page operations to kvcache in order, off the batching loop's path."""
+        while (request := await self._page_ops.get()) is not None:
+            stub = self.kvcache()
+            if stub is None:
+                continue
+            try:
+                await stub.Apply(request, timeout=5)
+            except grpc.aio.AioRpcError as e:
+                log.warning("kvcache Apply for %s failed: %s", self.worker_id, e.code())
