@@ -13,8 +13,8 @@ ending in `data: [DONE]`, plus a usage chunk with empty choices when
 `{"error": {"message", "type", "param", "code"}}`: 400 bad input (`param` names the field), 401
 missing or wrong API key, 404 unknown model, 429 queue full (with Retry-After), 503 nothing ready.
 An error after a stream has started is one `data: {"error": ...}` event, then `[DONE]`. A traced
-request's trace id comes back as the `kvmesh-trace-id` header. A client that leaves mid-stream
-cancels its request upstream (at the next token), which frees its KV pages.
+request's trace id comes back as the `kvmesh-trace-id` header. A client that leaves cancels its
+request upstream at once (the app runs with aiohttp's handler cancellation), which frees its KV pages.
 """
 
 from __future__ import annotations
