@@ -62,6 +62,15 @@ async def read_rest(call, head, on_message=None):
     return tokens, logprobs, finish
 
 
+async def streams_through(stub, requests, fault, on_message=None):
+    """Starts every request, waits until each has streamed its first message, calls `fault()`
+    (kill or stop a worker), then reads every stream to its end: [(tokens, logprobs, finish)]."""
+    calls = [stub.Generate(r, timeout=120) for r in requests]
+    heads = [await call.read() for call in calls]
+    fault()
+    return [await read_rest(call, head, on_message) for call, head in zip(calls, heads)]
+
+
 async def page_stats(addr):
     async with grpc.aio.insecure_channel(addr) as ch:
         return (await kvcache_pb2_grpc.KVCacheStub(ch).Stats(kvcache_pb2.StatsRequest())).workers

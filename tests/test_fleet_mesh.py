@@ -21,7 +21,7 @@ from kvmesh.services.supervisor import Supervisor
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect, read_rest
+from local_mesh import Mesh, collect, streams_through, wait_idle
 from reference import assert_matches_reference, hf_greedy
 
 
@@ -227,26 +227,27 @@ def test_a_hung_worker_is_drained_its_streams_finish_elsewhere_and_it_is_replace
         async def run():
             async with grpc.aio.insecure_channel(mesh.addr) as ch:
                 stub = generation_pb2_grpc.GenerationStub(ch)
-                calls = [stub.Generate(greedy(p, n), timeout=120) for p in prompts]
-                heads = [await call.read() for call in calls]  # every stream is mid-generation
-                os.kill(hung.pid, signal.SIGSTOP)
-                stopped = time.monotonic()
-                drained_after = None
+                stopped, drained_after = None, None
+
+                def hang():
+                    nonlocal stopped
+                    os.kill(hung.pid, signal.SIGSTOP)
+                    stopped = time.monotonic()
 
                 def note_drain():
                     nonlocal drained_after
                     if drained_after is None and r.exists(drain_key("worker-0")):
                         drained_after = time.monotonic() - stopped
 
-                results = [await read_rest(call, head, note_drain) for call, head in zip(calls, heads)]
+                results = await streams_through(stub, [greedy(p, n) for p in prompts], hang, note_drain)
                 while drained_after is None and time.monotonic() - stopped < 30:
                     if r.exists(drain_key("worker-0")):
                         drained_after = time.monotonic() - stopped
                     await asyncio.sleep(0.1)
                 after = await asyncio.gather(*(collect(stub, greedy(f"new {i}", 4)) for i in range(6)))
-                return results, drained_after, after
+                return results, drained_after, after, await wait_idle(mesh.kvcache_addr)
 
-        results, drained_after, after = asyncio.run(asyncio.wait_for(run(), 150))
+        results, drained_after, after, pages = asyncio.run(asyncio.wait_for(run(), 150))
         # Detected within three check intervals (plus the first check's start and a check's timeout).
         assert drained_after is not None and drained_after <= 4 * interval + 2, drained_after
         for prompt, (tokens, logprobs, finish) in zip(prompts, results):
@@ -256,6 +257,8 @@ def test_a_hung_worker_is_drained_its_streams_finish_elsewhere_and_it_is_replace
             assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, tok.encode(prompt), n))
         assert sum(f.preemptions > 0 for _, _, f in results) >= 1  # some were moved and recomputed
         assert all(a[3].worker_id == "worker-1" for a in after)  # the hung worker gets nothing new
+        # Nothing leaks: the drained worker's pages are forgotten, the moved requests' pages returned.
+        assert [w.worker_id for w in pages] == ["worker-1"] and pages[0].used_pages == 0
 
         supervisor = Supervisor(mesh.children, mesh.redis_url, mesh.log_dir)
         deadline = time.monotonic() + 120

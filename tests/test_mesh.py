@@ -11,7 +11,7 @@ import pytest
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect, page_stats, queue_state, read_rest, wait_idle
+from local_mesh import Mesh, collect, page_stats, queue_state, streams_through, wait_idle
 from reference import assert_matches_reference, hf_greedy
 
 
@@ -155,19 +155,19 @@ def test_a_killed_workers_streams_continue_exactly_on_another_worker(model_dir):
         async def run():
             async with grpc.aio.insecure_channel(mesh.addr) as ch:
                 stub = generation_pb2_grpc.GenerationStub(ch)
-                calls = [stub.Generate(greedy(p, n)) for p in prompts]
-                first = [await call.read() for call in calls]  # every stream is mid-generation
-                os.kill(mesh.child("worker-0").process.pid, signal.SIGKILL)
-                results = [await read_rest(call, head) for call, head in zip(calls, first)]
+                results = await streams_through(stub, [greedy(p, n) for p in prompts],
+                                                lambda: os.kill(mesh.child("worker-0").process.pid, signal.SIGKILL))
                 after = await asyncio.gather(*(collect(stub, greedy(f"after {i}", 8), timeout=30) for i in range(4)))
-                return results, after
+                return results, after, await wait_idle(mesh.kvcache_addr)
 
-        results, after = asyncio.run(asyncio.wait_for(run(), 120))
+        results, after, pages = asyncio.run(asyncio.wait_for(run(), 120))
         for prompt, (tokens, logprobs, finish) in zip(prompts, results):
             assert finish.reason == gen.LENGTH and finish.worker_id == "worker-1", finish
             assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, tok.encode(prompt), n))
         assert any(f.preemptions for _, _, f in results)  # worker-0 had some: recomputed on worker-1
         assert all(a[3].reason == gen.LENGTH and a[3].worker_id == "worker-1" for a in after)
+        # Nothing leaks: the dead worker's pages are forgotten, the moved requests' pages returned.
+        assert [w.worker_id for w in pages] == ["worker-1"] and pages[0].used_pages == 0
     finally:
         mesh.close()
 

@@ -65,18 +65,15 @@ def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | Non
 
 def wait_scheduled(redis_url: str, workers: int, timeout_s: float) -> None:
     """Blocks until the scheduler's published queue state shows `workers` live workers."""
-    import json
-
     import redis
 
-    from kvmesh.services.registry import QUEUE_STATE_PATTERN
+    from kvmesh.services.registry import read_queue_states
 
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            keys = list(r.scan_iter(QUEUE_STATE_PATTERN))
-            states = [json.loads(v) for v in r.mget(keys) if v] if keys else []
+            states = read_queue_states(r)
             if sum(w["alive"] for state in states for w in state["workers"].values()) >= workers:
                 return
             time.sleep(0.2)

@@ -29,6 +29,26 @@ def queue_state_key(scheduler_id: str) -> str:
 QUEUE_STATE_PATTERN = queue_state_key("*")
 
 
+def read_queue_states(redis_client) -> list[dict]:
+    """Every scheduler's published queue state, with a synchronous redis client."""
+    keys = list(redis_client.scan_iter(QUEUE_STATE_PATTERN))
+    return [json.loads(v) for v in redis_client.mget(keys) if v] if keys else []
+
+
+def pool_of(record: dict) -> str:
+    """The model pool of a scheduler's or worker's registry record (records from before pools: default)."""
+    return record.get("pool", "default")
+
+
+def ready_versions(worker_records: list[dict], pool: str) -> dict[str, int]:
+    """Version -> registered (ready) workers of `pool`."""
+    versions: dict[str, int] = {}
+    for w in worker_records:
+        if pool_of(w) == pool:
+            versions[w.get("version", "v1")] = versions.get(w.get("version", "v1"), 0) + 1
+    return versions
+
+
 def service_key(kind: str, instance_id: str) -> str:
     return f"{PREFIX}svc:{kind}:{instance_id}"
 

@@ -11,7 +11,7 @@ import re
 import time
 
 from kvmesh.fleet.rollout import RolloutState, abort, canary_percent, start_rollout
-from kvmesh.services.registry import Registry
+from kvmesh.services.registry import Registry, ready_versions
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 
@@ -31,21 +31,13 @@ def parse_steps(text: str) -> tuple[float, ...]:
         raise ValueError(f"steps must be comma-separated percents such as 1,5,25,50,100, got {text!r}") from None
 
 
-async def ready_versions(registry: Registry, model: str) -> dict[str, int]:
-    versions: dict[str, int] = {}
-    for w in await registry.services("worker"):
-        if w.get("pool", "default") == model:
-            versions[w.get("version", "v1")] = versions.get(w.get("version", "v1"), 0) + 1
-    return versions
-
-
 async def start(registry: Registry, args: argparse.Namespace) -> int:
     if not args.canary:
         raise ValueError("start needs --canary VERSION")
     current = await registry.rollout(args.model)
     if current is not None and current["status"] == "running":
         raise ValueError(f"a rollout of {args.model} to {current['canary_version']} is running: abort it first")
-    versions = await ready_versions(registry, args.model)
+    versions = ready_versions(await registry.services("worker"), args.model)
     stable = args.stable
     if stable is None:
         others = sorted(v for v in versions if v != args.canary)

@@ -85,13 +85,9 @@ class Supervisor:
                 self._note(f"{child.name} restarted (attempt {attempts + 1})")
 
     def _queue_states(self) -> dict[str, dict]:
-        import json
+        from kvmesh.services.registry import pool_of, read_queue_states
 
-        from kvmesh.services.registry import QUEUE_STATE_PATTERN
-
-        keys = list(self.redis.scan_iter(QUEUE_STATE_PATTERN))
-        states = [json.loads(v) for v in self.redis.mget(keys) if v] if keys else []
-        return {s.get("pool", "default"): s for s in states}
+        return {pool_of(s): s for s in read_queue_states(self.redis)}
 
     def _scale(self) -> None:
         for pool, state in self._queue_states().items():

@@ -23,7 +23,7 @@ from kvmesh.params import InvalidRequest, validate_request
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
-from kvmesh.services.registry import Registry
+from kvmesh.services.registry import Registry, pool_of, ready_versions
 from kvmesh.services.router.pools import Pool, parse_models
 from kvmesh.services.router.stops import StopStringMatcher
 from kvmesh.tokenizer import IncrementalDetokenizer
@@ -55,7 +55,6 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.pools: dict[str, Pool] = {name: Pool.load(name, folder) for name, folder in parse_models(cfg.model, cfg.model_name)}
         self.default_pool = next(iter(self.pools))
         self.registry = registry
-        self.is_ready = False
         self._seeds = random.Random()
 
     async def discover(self, on_ready) -> None:
@@ -66,20 +65,20 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 schedulers = await self.registry.services("scheduler")
                 workers = await self.registry.services("worker")
                 for pool in self.pools.values():
-                    addresses = [r["address"] for r in schedulers if r.get("pool", "default") == pool.name]
+                    addresses = [r["address"] for r in schedulers if pool_of(r) == pool.name]
                     pool.schedulers = [scheduler_pb2_grpc.SchedulerStub(channels.setdefault(a, grpc.aio.insecure_channel(a)))
                                        for a in addresses]
-                    versions: dict[str, int] = {}
-                    for w in workers:
-                        if w.get("pool", "default") == pool.name:
-                            versions[w.get("version", "v1")] = versions.get(w.get("version", "v1"), 0) + 1
-                    pool.versions = versions
+                    pool.versions = ready_versions(workers, pool.name)
                     pool.rollout = await self._rollout(pool.name)
-                self.is_ready = any(p.ready for p in self.pools.values())
                 await on_ready(self.is_ready)
             except Exception as e:
                 log.warning("discovery failed: %s", e)
             await asyncio.sleep(0.5)
+
+    @property
+    def is_ready(self) -> bool:
+        """Some pool has a scheduler and a ready worker (gRPC health SERVING, HTTP /ready)."""
+        return any(p.ready for p in self.pools.values())
 
     async def _rollout(self, pool: str) -> RolloutState | None:
         """The pool's rollout state; a record this router cannot read counts as none (and is logged)."""

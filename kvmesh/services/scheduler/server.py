@@ -26,7 +26,7 @@ from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, SchedulerServiceConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.kvcache.pages import prefix_hashes
-from kvmesh.services.registry import Registry, queue_state_key
+from kvmesh.services.registry import Registry, pool_of, queue_state_key
 from kvmesh.services.scheduler.core import TokenEvent
 from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outcomes, RolloutController
 from kvmesh.services.scheduler.placement import PlacementConfig, choose_worker
@@ -211,7 +211,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         kv = await self.registry.services("kvcache")
         if kv and self._kvcache_stub is None:
             self._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(grpc.aio.insecure_channel(kv[0]["address"]))
-        records = [r for r in await self.registry.services("worker") if r.get("pool", "default") == self.cfg.pool]
+        records = [r for r in await self.registry.services("worker") if pool_of(r) == self.cfg.pool]
         for record in records:
             current = self.workers.get(record["id"])
             if current is not None and current.info.epoch == record["epoch"] and (current.alive or current.draining):
