@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_CPU)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m kvmesh.kernels.native
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,10 +1,13 @@
 """Paged attention against dense causal attention, and the fast path against the reference."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.kernels.attention import SequenceSlice, causal_mask, paged_attention, paged_attention_reference, write_kv
+from kvmesh.kernels import native
+from kvmesh.kernels.attention import AttentionPlan, SequenceSlice, causal_mask, paged_attention, paged_attention_reference, write_kv
 
 PAGE = 16
 
@@ -89,3 +92,45 @@ def test_contiguous_runs_are_read_in_place_with_the_same_result():
         moved.append(SequenceSlice(s.query_start, s.query_end, run, s.mask, first_slot=start))
         start += -(-s.context_len // PAGE) * PAGE
     torch.testing.assert_close(paged_attention(q, k2, v2, moved, scale=0.2), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_decode_kernel_builds_on_this_machine():
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler here: decodes take torch's attention per sequence")
+    assert native.decode_attention() is not None
+
+
+DECODES = [(1, 1), (16, 1), (17, 1), (300, 1), (70, 22), (5, 1)]  # with a prefill chunk among them
+
+
+@pytest.mark.parametrize("dim", [32, 64, 80, 128])  # 64 and 128 take the AVX-512 path where there is one
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (12, 4), (4, 4)])
+def test_decode_kernel_equals_reference(dim, heads, kv_heads):
+    q, kc, vc, seqs, _ = build_case(DECODES, heads=heads, kv_heads=kv_heads, dim=dim, seed=dim + heads)
+    plan = AttentionPlan(seqs)
+    assert len(plan.decodes) == (5 if native.decode_attention() else 0)
+    ref = paged_attention_reference(q, kc, vc, seqs, scale=dim**-0.5)
+    torch.testing.assert_close(plan(q, kc, vc, dim**-0.5), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_kernel_in_bfloat16_is_close_to_float32():
+    q, kc, vc, seqs, _ = build_case(DECODES, dim=64, seed=7)
+    ref = paged_attention_reference(q, kc, vc, seqs, scale=0.125)
+    out = AttentionPlan(seqs)(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_kernel_keeps_to_the_sliding_window():
+    q, kc, vc, seqs, _ = build_case([(60, 1), (25, 1), (60, 12)], dim=64, seed=8, window=20)
+    ref = paged_attention_reference(q, kc, vc, seqs, scale=0.2, sliding_window=20)
+    torch.testing.assert_close(AttentionPlan(seqs)(q, kc, vc, 0.2), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_without_the_kernel_every_sequence_takes_the_portable_path(monkeypatch):
+    monkeypatch.setattr(native, "decode_attention", lambda: None)
+    q, kc, vc, seqs, _ = build_case(DECODES, dim=64, seed=9)
+    plan = AttentionPlan(seqs)
+    assert plan.decodes == [] and plan.others == seqs
+    ref = paged_attention_reference(q, kc, vc, seqs, scale=0.125)
+    torch.testing.assert_close(plan(q, kc, vc, 0.125), ref, atol=1e-5, rtol=1e-5)

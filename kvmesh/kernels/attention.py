@@ -5,9 +5,10 @@ token position in one page: `slot = page_id * page_size + offset`). A sequence r
 through the slot list its page table expands to.
 
 `paged_attention_reference` is the portable definition (float32 softmax, explicit masks, no
-fused kernels). `paged_attention` is the CPU fast path used by the model: per-sequence gather,
-then torch's fused scaled-dot-product attention. Tests hold the fast path to the reference and
-the reference to dense causal attention.
+fused kernels). `AttentionPlan` is the fast path the model uses: decodes in one call of kvmesh's
+C++ decode kernel (`kernels/csrc/decode_attention.cpp`), prefill chunks through torch's fused
+scaled-dot-product attention per sequence. Tests hold the fast path, with and without the
+kernel, to the reference and the reference to dense causal attention.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvmesh.kernels import native
 
 
 @dataclass
@@ -62,6 +65,53 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     v_cache.index_copy_(0, slots, v)
 
 
+class AttentionPlan:
+    """How one step's sequences are attended, worked out once per step and used by every layer.
+
+    Decoding sequences (one query each) go to kvmesh's C++ decode kernel in a single call per
+    layer, reading the cache in place through their slot lists. Prefill chunks, and everything
+    when the kernel is unavailable or the tensors are not on the CPU, go to torch's fused
+    attention one sequence at a time: a chunk's arithmetic outweighs the call's fixed cost.
+    """
+
+    def __init__(self, seqs: list[SequenceSlice]):
+        self.seqs = seqs
+        self.op = native.decode_attention()
+        self.decodes = [s for s in seqs if s.num_queries == 1] if self.op is not None else []
+        self.others = [s for s in seqs if s.num_queries != 1] if self.decodes else seqs
+        if self.decodes:
+            # A decode's mask, when it has one, is the sliding window: it sees a suffix of its slots.
+            visible = [s.slots if s.mask is None else s.slots[s.mask[0]] for s in self.decodes]
+            self.rows = torch.tensor([s.query_start for s in self.decodes], dtype=torch.long)
+            self.indptr = torch.zeros(len(visible) + 1, dtype=torch.long)
+            self.indptr[1:] = torch.tensor([v.shape[0] for v in visible]).cumsum(0)
+            self.slot_ids = torch.cat(visible).to(torch.long).contiguous()
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q is `[tokens, heads, head_dim]`; returns the same shape."""
+        out = torch.empty_like(q)
+        per_sequence = self.seqs
+        if self.decodes and q.device.type == "cpu":
+            self.op(q, k_cache, v_cache, self.rows, self.indptr, self.slot_ids, scale, out)
+            per_sequence = self.others
+        for s in per_sequence:
+            _sdpa_one(q, k_cache, v_cache, s, scale, out)
+        return out
+
+
+def _sdpa_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: SequenceSlice, scale: float, out: torch.Tensor) -> None:
+    if s.first_slot is not None:
+        k = k_cache[s.first_slot : s.first_slot + s.context_len].transpose(0, 1).unsqueeze(0)
+        v = v_cache[s.first_slot : s.first_slot + s.context_len].transpose(0, 1).unsqueeze(0)
+    else:
+        k = k_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
+        v = v_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
+    qs = q[s.query_start : s.query_end].transpose(0, 1).unsqueeze(0)
+    is_causal = s.mask is None and s.num_queries > 1
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=s.mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+    out[s.query_start : s.query_end] = o[0].transpose(0, 1)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -69,20 +119,9 @@ def paged_attention(
     seqs: list[SequenceSlice],
     scale: float,
 ) -> torch.Tensor:
-    """Attention for a flattened batch. q is `[tokens, heads, head_dim]`; returns the same shape."""
-    out = torch.empty_like(q)
-    for s in seqs:
-        if s.first_slot is not None:
-            k = k_cache[s.first_slot : s.first_slot + s.context_len].transpose(0, 1).unsqueeze(0)
-            v = v_cache[s.first_slot : s.first_slot + s.context_len].transpose(0, 1).unsqueeze(0)
-        else:
-            k = k_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
-            v = v_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
-        qs = q[s.query_start : s.query_end].transpose(0, 1).unsqueeze(0)
-        is_causal = s.mask is None and s.num_queries > 1
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=s.mask, is_causal=is_causal, scale=scale, enable_gqa=True)
-        out[s.query_start : s.query_end] = o[0].transpose(0, 1)
-    return out
+    """Attention for a flattened batch. q is `[tokens, heads, head_dim]`; returns the same shape.
+    The model builds one `AttentionPlan` per step instead; this is the same for a single call."""
+    return AttentionPlan(seqs)(q, k_cache, v_cache, scale)
 
 
 def paged_attention_reference(

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvmesh.kernels.attention import SequenceSlice, paged_attention, write_kv
+from kvmesh.kernels import native
+from kvmesh.kernels.attention import AttentionPlan, SequenceSlice, write_kv
 from kvmesh.kernels.linear import PackedLinear
 from kvmesh.services.worker.checkpoint import DTYPES, ModelConfig, load_config, load_weights, rope_inv_freq
 
@@ -69,6 +70,7 @@ class CausalLM:
         self.norm = w["model.norm.weight"]
         self.lm_head = PackedLinear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        native.decode_attention()  # found or compiled now, at load, rather than in the first request
         self.scale = cfg.head_dim**-0.5
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * rope_inv_freq(cfg)[None, :]
@@ -121,6 +123,7 @@ class CausalLM:
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
         x = self.embed[batch.token_ids]
+        attention = AttentionPlan(batch.seqs)
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h)
@@ -130,7 +133,7 @@ class CausalLM:
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
             write_kv(k_cache[i], v_cache[i], batch.slots, k, v)
-            attn = paged_attention(q, k_cache[i], v_cache[i], batch.seqs, self.scale)
+            attn = attention(q, k_cache[i], v_cache[i], self.scale)
             x = x + layer.o(attn.reshape(t, q_size))
             h = self._rms_norm(x, layer.post_attention_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

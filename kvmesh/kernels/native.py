@@ -1,0 +1,65 @@
+"""kvmesh's own C++ kernels, compiled on first use with torch's extension builder.
+
+`decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator, or None when
+it cannot be used here (no C++ compiler, `KVMESH_NATIVE_KERNELS=0`); callers then take the
+portable path. The build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default
+`~/.cache/torch_extensions`), so it costs about ten seconds once per machine and source version;
+`make install` runs it (`python -m kvmesh.kernels.native`).
+
+The instruction set is chosen from what torch itself detected on this CPU (AVX-512, AVX2 or
+neither) and named in the extension, so a cache shared between machines never hands a CPU code
+it cannot run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvmesh.kernels")
+
+_SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+_ISA_FLAGS = {
+    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"],
+    "avx2": ["-mavx2", "-mfma"],
+    "base": [],
+}
+
+
+def _isa() -> str:
+    capability = torch.backends.cpu.get_cpu_capability().lower()  # "avx512", "avx2", "default", ...
+    return capability if capability in _ISA_FLAGS else "base"
+
+
+@cache
+def decode_attention():
+    """The decode attention operator, built on first call; None where it cannot be built."""
+    if os.environ.get("KVMESH_NATIVE_KERNELS", "1") == "0":
+        return None
+    isa = _isa()
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name=f"kvmesh_attention_{isa}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: the portable path still works
+        log.warning("kvmesh's C++ decode attention is unavailable (%s); using torch's attention per sequence", exc)
+        return None
+    return torch.ops.kvmesh.decode_attention_
+
+
+if __name__ == "__main__":
+    op = decode_attention()
+    print(f"kvmesh native kernels ({_isa()}): {'built' if op is not None else 'unavailable, using the portable path'}")
+    sys.exit(0)
