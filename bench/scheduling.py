@@ -1,11 +1,13 @@
 """Scheduler benchmarks on a fresh one-worker mesh per configuration, measured with `kvmesh bench`.
 
     cd bench && ../.venv/bin/python scheduling.py batching [random|sharegpt-like [MAX_NUM_SEQS [NUM_REQUESTS]]]
+    cd bench && ../.venv/bin/python scheduling.py bound [WORKLOAD [MAX_NUM_SEQS [NUM_REQUESTS]]]   # no model
     cd bench && ../.venv/bin/python scheduling.py head-of-line   # short requests' TTFT while long prompts arrive
     cd bench && ../.venv/bin/python scheduling.py sweep          # latency against throughput across request rates
 
 `batching`: 32 requests at once, inputs 16..512, outputs 16..512 (uniform, or log-normal as
-in ShareGPT), at most 8 running, the same mesh with --batching continuous and static. `head-of-line`: short requests (inputs 16..64,
+in ShareGPT), at most 8 running, the same mesh with --batching continuous, static (finished rows
+padded to the batch's end) and static-unpadded. `head-of-line`: short requests (inputs 16..64,
 outputs 32, 2 per second) beside long prompts (1,800..2,000 tokens, one per 5 seconds), with
 chunked prefill (256 tokens per step, at most 128 for one request) and without (4,096: a whole
 long prompt in one step).
@@ -60,13 +62,60 @@ def batching(workload: str = "random", max_num_seqs: str = "8", num_requests: st
     flags = ["--workload", workload, "--num-requests", num_requests, "--input-len", "16:512", "--output-len", "16:512",
              "--seed", os.environ.get("BENCH_SEED", "1")]
     results = {}
-    for mode in ("continuous", "static"):
+    for mode in ("continuous", "static", "static-unpadded"):
         # The whole workload arrives at once on purpose: no request may time out in the queue.
         results[mode] = with_mesh(["--batching", mode, "--max-num-seqs", max_num_seqs, "--max-queue-wait-s", "0"],
                                   lambda addr: run_bench(addr, *flags))
         print(line(f"{mode} batching", results[mode]), flush=True)
-    ratio = results["continuous"]["output_throughput"] / results["static"]["output_throughput"]
-    print(f"continuous / static output tok/s: {ratio:.2f}x")
+    for static in ("static", "static-unpadded"):
+        ratio = results["continuous"]["output_throughput"] / results[static]["output_throughput"]
+        print(f"continuous / {static} output tok/s: {ratio:.2f}x")
+
+
+def bound(workload: str = "random", max_num_seqs: str = "32", num_requests: str = "128") -> None:
+    """What the scheduler alone allows: the `batching` workload (same seed, lengths and budget)
+    through the real scheduler core with no model, counting steps and tokens computed per mode.
+    On a device whose step costs the same for 1 or 32 sequences (memory-bound: a GPU at these
+    sizes) throughput follows the step count; on one whose step costs what its tokens cost
+    (compute-bound: this CPU at 32 sequences) it follows the tokens computed."""
+    import numpy as np
+
+    from kvmesh import bench
+    from kvmesh.params import SamplingParams, StoppingParams
+    from kvmesh.services.kvcache.pages import PagePool
+    from kvmesh.services.scheduler.core import Scheduler, SchedulerConfig
+    from kvmesh.services.scheduler.request import Request
+    from kvmesh.step import SampledToken, StepResult
+
+    args = bench_args("unused", "--workload", workload, "--num-requests", num_requests, "--input-len", "16:512",
+                      "--output-len", "16:512", "--seed", os.environ.get("BENCH_SEED", "1"))
+    requests = bench.make_workload(bench.config_from_args(args), np.random.default_rng([args.seed, 0]))
+    counts = {}
+    for mode in ("continuous", "static", "static-unpadded"):
+        core = Scheduler(PagePool(100_000, 16), SchedulerConfig(max_num_seqs=int(max_num_seqs), batching=mode))
+        for i, r in enumerate(requests):
+            core.add(Request(f"r{i}", r.prompt_token_ids, SamplingParams(temperature=0.0),
+                             StoppingParams(max_new_tokens=r.output_len, ignore_eos=True), arrival_time=float(i)))
+        known = {f"r{i}": len(r.prompt_token_ids) for i, r in enumerate(requests)}  # tokens each row holds
+        computed, steps, tokens = dict.fromkeys(known, 0), 0, 0
+        while core.has_unfinished():
+            plan = core.schedule()
+            sampled = []
+            for chunk in plan.scheduled:
+                computed[chunk.seq_id] += chunk.num_tokens
+                tokens += chunk.num_tokens
+                if computed[chunk.seq_id] == known[chunk.seq_id]:  # level with its tokens: samples one
+                    known[chunk.seq_id] += 1
+                    sampled.append(SampledToken(chunk.seq_id, 1, 0.0))
+            for seq_id in plan.dropped:  # preempted or released: recomputed from its known tokens
+                computed[seq_id] = 0
+            core.update(plan, StepResult(sampled))
+            steps += 1
+        counts[mode] = steps, tokens
+        print(f"{mode:<16} {steps:6d} steps  {tokens:8d} tokens computed")
+    for static in ("static", "static-unpadded"):
+        print(f"continuous / {static}: memory-bound (steps) {counts[static][0] / counts['continuous'][0]:.2f}x, "
+              f"compute-bound (tokens) {counts[static][1] / counts['continuous'][1]:.2f}x")
 
 
 def head_of_line() -> None:
@@ -104,7 +153,7 @@ def sweep() -> None:
 
 def main() -> None:
     which = sys.argv[1] if len(sys.argv) > 1 else ""
-    runs = {"batching": batching, "head-of-line": head_of_line, "sweep": sweep}
+    runs = {"batching": batching, "bound": bound, "head-of-line": head_of_line, "sweep": sweep}
     if which not in runs:
         sys.exit(f"usage: scheduling.py {{{'|'.join(runs)}}}; batching takes [WORKLOAD [MAX_NUM_SEQS [NUM_REQUESTS]]]")
     runs[which](*sys.argv[2:])

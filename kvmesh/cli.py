@@ -218,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
     p.add_argument("--port", type=int, default=50051, help="router gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="router HTTP port (OpenAI-compatible API, /metrics)")
-    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
-                   help="scheduler batching mode (static: the baseline, a batch runs until its longest request ends)")
+    p.add_argument("--batching", choices=["continuous", "static", "static-unpadded"], default="continuous",
+                   help="scheduler batching mode (static: the baseline, a batch runs until its longest request ends; see kvmesh serve scheduler --help)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("rollout", help="canary rollouts of a model pool: start, status, abort")

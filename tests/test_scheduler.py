@@ -62,11 +62,15 @@ class LevelWorker:
             self.seqs[new.seq_id] = WorkerSequence(list(new.token_ids), list(new.page_ids), new.num_computed_tokens)
         tokens = []
         for chunk in plan.scheduled:
-            seq, req = self.seqs[chunk.seq_id], requests[chunk.seq_id]
+            seq = self.seqs[chunk.seq_id]
             seq.page_ids.extend(chunk.new_page_ids)
             # The deltas rebuild exactly what the scheduler holds for this sequence.
             assert seq.page_ids == pool.page_table(chunk.seq_id)
-            assert seq.token_ids == req.all_token_ids and seq.num_computed == req.num_computed_tokens
+            if chunk.seq_id in self.scheduler.padding:  # a finished row of a padded static batch
+                assert seq.num_computed == self.scheduler.padding[chunk.seq_id] and chunk.num_tokens == 1
+            else:
+                req = requests[chunk.seq_id]
+                assert seq.token_ids == req.all_token_ids and seq.num_computed == req.num_computed_tokens
             assert chunk.num_tokens >= 1
             seq.num_computed += chunk.num_tokens
             assert seq.num_computed <= min(len(seq.token_ids), len(seq.page_ids) * pool.page_size)
@@ -375,6 +379,58 @@ def test_static_batching_admits_the_next_batch_only_after_the_whole_batch_finish
     assert admitted_at["short"] == admitted_at["long"] == 0
     assert admitted_at["next"] == finished_long + 1  # a free slot since "short" ended was left empty
     assert_all_finished_in_full(run)
+
+
+def test_a_static_batch_fills_to_max_num_seqs_even_when_one_step_cannot_prefill_it():
+    # Prompts of 10 tokens, 16 tokens a step: one step's budget starts two; the batch of four
+    # fills over the next steps, and the fifth request waits for the whole batch to end.
+    run = Run(num_pages=200, page_size=4, max_num_seqs=4, max_batched_tokens=16, batching="static")
+    run.add(*[make_request(f"r{i}", range(100 * i, 100 * i + 10), max_new=3 + i, arrival=float(i)) for i in range(5)])
+    plans = run.to_completion()
+    admitted_at = {n.seq_id: i for i, plan in enumerate(plans) for n in plan.new}
+    assert sorted(admitted_at[f"r{i}"] for i in range(4)) == [0, 0, 1, 1]  # r3 starts with one token of budget
+    last_of_batch = max(i for i, plan in enumerate(plans) if "r3" in run.scheduled(plan))
+    assert admitted_at["r4"] == last_of_batch + 1
+    assert_all_finished_in_full(run)
+
+
+@pytest.mark.parametrize("batching", ["static", "static-unpadded"])
+def test_finished_rows_of_a_static_batch_keep_decoding_only_when_padded(batching):
+    run = Run(num_pages=64, page_size=2, max_num_seqs=2, batching=batching)
+    run.add(make_request("short", [1, 2], max_new=1, arrival=0.0), make_request("long", [3, 4], max_new=6, arrival=1.0))
+    plans = run.to_completion()
+    long_steps = [i for i, plan in enumerate(plans) if "long" in run.scheduled(plan)]
+    short_steps = [i for i, plan in enumerate(plans) if "short" in run.scheduled(plan)]
+    if batching == "static":  # a row of a fixed-shape batch: computed in every step of the batch
+        assert short_steps == long_steps
+    else:
+        assert short_steps == [0]
+    assert not run.scheduler.padding
+    assert_all_finished_in_full(run)  # the client saw only its own tokens; every page came back
+    dropped = [seq for plan in [*plans, run.scheduler.schedule()] for seq in plan.dropped]
+    assert dropped.count("short") == 1  # the worker is told once to forget it, padded or not
+
+
+def test_padding_rows_give_their_pages_to_requests_and_stop_at_the_models_context():
+    # 7 pages of 2 tokens: "long" needs all of them by its end, so the padding row of "short"
+    # must give way instead of preempting anyone.
+    run = Run(num_pages=7, page_size=2, max_num_seqs=2, batching="static")
+    run.add(make_request("short", [1, 2], max_new=1, arrival=0.0), make_request("long", [3, 4], max_new=11, arrival=1.0))
+    run.to_completion()
+    assert run.scheduler.num_preemptions == 0 and not run.scheduler.padding
+    assert_all_finished_in_full(run)
+
+    capped = Run(num_pages=64, page_size=2, max_num_seqs=2, batching="static")
+    capped.scheduler.max_context = 5
+    capped.add(make_request("short", [1, 2, 3, 4], max_new=1, arrival=0.0), make_request("long", [5, 6], max_new=3, arrival=1.0))
+    for _ in range(2):
+        capped.step()
+    assert capped.scheduler.padding == {"short": 5}  # its prompt, its token and one padding token: the context
+    plan, _ = capped.step()
+    assert plan.dropped == ["short"]
+    assert "short" not in capped.scheduled(plan) and not capped.scheduler.padding
+    capped.to_completion()
+    assert_all_finished_in_full(capped)
 
 
 def test_requests_waiting_too_long_are_ended_and_free_nothing_they_never_held():

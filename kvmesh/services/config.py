@@ -111,7 +111,7 @@ class SchedulerServiceConfig:
     victim_policy: str = dataclasses.field(default="newest", metadata=_help("newest, priority or size"))
     max_prefill_chunk: int = dataclasses.field(default=512, metadata=_help("prefill tokens one request may take per step (0: the whole budget); leaves room for short requests beside a long prompt"))
     aging_s: float = dataclasses.field(default=10.0, metadata=_help("a waiting request gains one priority point per this many seconds (0: off)"))
-    batching: str = dataclasses.field(default="continuous", metadata=_help("continuous, or static (the baseline: a batch runs until its longest request ends)"))
+    batching: str = dataclasses.field(default="continuous", metadata=_help("continuous; static (the baseline: a batch runs until its longest request ends, finished rows still decoding as in a padded batch); static-unpadded (finished rows leave the batch)"))
     max_queue_len: int = dataclasses.field(default=1024, metadata=_help("waiting requests at most; more get RESOURCE_EXHAUSTED"))
     max_queue_wait_s: float = dataclasses.field(default=300.0, metadata=_help("a request not started after this long ends with an error (0: no limit)"))
     prefix_caching: bool = dataclasses.field(default=True, metadata=_help("share prompt prefixes"))

@@ -20,7 +20,7 @@ from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 VICTIM_POLICIES = ("newest", "priority", "size")
-BATCHING_MODES = ("continuous", "static")
+BATCHING_MODES = ("continuous", "static", "static-unpadded")
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,12 @@ class SchedulerConfig:
     aging_s: a waiting request gains one priority point per aging_s seconds (0: no aging).
     max_prefill_chunk: caps one request's prefill tokens per step, so a long prompt leaves budget
     for short requests to start beside it instead of blocking them until it is done.
-    batching: continuous (admit every step) or static (admit a batch only when the last one
-    has finished entirely: the baseline continuous batching is measured against)."""
+    batching: continuous (admit every step) or static, the baseline continuous batching is
+    measured against: a batch is filled (up to max_num_seqs, over several steps when one step's
+    token budget cannot prefill it all) and runs until its longest request ends before the next is
+    admitted. In `static` a finished request's row stays in the batch and keeps decoding, its
+    tokens discarded, as a row of a fixed-shape batch does (transformers' generate, the classic
+    static servers); in `static-unpadded` finished rows leave the batch, saving their compute."""
 
     max_batched_tokens: int = 1024
     max_num_seqs: int = 128
@@ -70,9 +74,10 @@ class TokenEvent:
 class Scheduler:
     """Queues and batches the requests of one worker whose pages `pool` accounts for."""
 
-    def __init__(self, pool: PagePool, config: SchedulerConfig | None = None):
+    def __init__(self, pool: PagePool, config: SchedulerConfig | None = None, max_context: int | None = None):
         self.pool = pool
         self.config = config or SchedulerConfig()
+        self.max_context = max_context  # the model's; a padding row stops there
         self.waiting: list[Request] = []  # sorted by _admission_key
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -81,6 +86,12 @@ class Scheduler:
         self._chunk_cap = self.config.max_prefill_chunk or self.config.max_batched_tokens
         self.num_preemptions = 0
         self.seq_limit = self.config.max_num_seqs  # lowered for a while by an admission ramp
+        # Static batching: a batch keeps admitting, across steps when one step's token budget cannot
+        # prefill it all, until it is full, the queue is empty or pages run out; then it is closed
+        # until its last request ends.
+        self._batch_open = True
+        # Padded static batching: rows of finished requests still decoding -> their computed tokens.
+        self.padding: dict[str, int] = {}
 
     def _admission_key(self, r: Request):
         # Every waiting request ages at the same rate, so priority + age / aging_s orders them the
@@ -101,7 +112,7 @@ class Scheduler:
             )
 
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.padding:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=self._admission_key)
@@ -128,6 +139,7 @@ class Scheduler:
             req.num_computed_tokens = 0
             taken.append(req)
         self.running, self.waiting, self.requests = [], [], {}
+        self._release_padding()
         return taken
 
     def has_unfinished(self) -> bool:
@@ -148,6 +160,11 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
             while (new_pages := self.pool.grow(req.request_id, req.num_computed_tokens + n)) is None:
+                if self.padding:  # padding rows give way before any request is preempted
+                    seq_id = next(iter(self.padding))
+                    self._drop_padding(seq_id)
+                    plan.dropped.append(seq_id)
+                    continue
                 victim = self._pick_victim()
                 budget += self._preempt(victim, plan, chunks)
                 preempted = True
@@ -157,9 +174,14 @@ class Scheduler:
                 chunks[req.request_id] = chunk = ScheduledChunk(req.request_id, n, new_pages)
                 plan.scheduled.append(chunk)
                 budget -= n
-        static_batch_running = self.config.batching == "static" and self.running
-        if not preempted and not static_batch_running:
-            self._admit(plan, chunks, budget)
+        budget = self._schedule_padding(plan, budget)
+        static = self.config.batching != "continuous"
+        if static and not self.running:
+            self._batch_open = True
+        if not preempted and (not static or self._batch_open):
+            budget_ran_out = self._admit(plan, chunks, budget)
+            if static and not budget_ran_out:
+                self._batch_open = False
         return plan
 
     def expire_waiting(self, max_wait_s: float, now: float | None = None) -> list[TokenEvent]:
@@ -180,13 +202,16 @@ class Scheduler:
             need += max(0, self.pool.pages_needed(r.num_tokens) - len(self.pool.page_table(r.request_id)))
         return need
 
-    def _admit(self, plan: StepPlan, chunks: dict[str, ScheduledChunk], budget: int) -> None:
+    def _admit(self, plan: StepPlan, chunks: dict[str, ScheduledChunk], budget: int) -> bool:
         """Admits waiting requests in order while the budget, max_num_seqs and pages allow. A
         request is admitted only when pages for its whole known sequence (prompt, plus output
         after a preemption) fit beside what running requests still need, though it is given
-        pages one chunk at a time; so a flood of long prompts waits instead of thrashing."""
+        pages one chunk at a time; so a flood of long prompts waits instead of thrashing.
+        Returns True when only this step's token budget stopped it (the next step may admit more)."""
         outstanding = self._outstanding_pages()
-        while self.waiting and budget > 0 and len(self.running) < min(self.seq_limit, self.config.max_num_seqs):
+        while self.waiting and len(self.running) + len(self.padding) < min(self.seq_limit, self.config.max_num_seqs):
+            if budget <= 0:
+                return True
             req = self.waiting[0]
             tokens = req.all_token_ids
             prefix = self.pool.match_prefix(tokens)
@@ -198,7 +223,7 @@ class Scheduler:
             spare = self.pool.num_available - outstanding - max(0, later)
             if pages is None or (spare < self._watermark and self.running):
                 self.pool.release(req.request_id)
-                return
+                return False
             outstanding += max(0, later)
             self.waiting.pop(0)
             req.status = Status.RUNNING
@@ -215,6 +240,34 @@ class Scheduler:
             chunks[req.request_id] = chunk = ScheduledChunk(req.request_id, n, [])
             plan.scheduled.append(chunk)
             budget -= n
+        return False
+
+    def _schedule_padding(self, plan: StepPlan, budget: int) -> int:
+        """One decode token for every padding row that can still grow; returns the budget left."""
+        for seq_id, computed in list(self.padding.items()):
+            if budget == 0:
+                break
+            if self.max_context is not None and computed + 1 > self.max_context:
+                self._drop_padding(seq_id)
+                plan.dropped.append(seq_id)
+                continue
+            new_pages = self.pool.grow(seq_id, computed + 1)
+            if new_pages is None:  # a padding row never takes pages from a request
+                self._drop_padding(seq_id)
+                plan.dropped.append(seq_id)
+                continue
+            plan.scheduled.append(ScheduledChunk(seq_id, 1, new_pages))
+            budget -= 1
+        return budget
+
+    def _drop_padding(self, seq_id: str) -> None:
+        self.pool.release(seq_id)
+        del self.padding[seq_id]
+
+    def _release_padding(self) -> None:
+        for seq_id in list(self.padding):
+            self._drop_padding(seq_id)
+            self._to_drop.append(seq_id)
 
     def _pick_victim(self) -> Request:
         policy = self.config.victim_policy
@@ -244,9 +297,12 @@ class Scheduler:
         """Advances computed counts, appends sampled tokens, finishes requests that hit a stop."""
         now = time.monotonic()
         for chunk in plan.scheduled:
+            if chunk.seq_id in self.padding:
+                self.padding[chunk.seq_id] += chunk.num_tokens  # the token it sampled is discarded
+                continue
             req = self.requests.get(chunk.seq_id)
             if req is None or req.status is not Status.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran (or a padding row released since)
             req.num_computed_tokens += chunk.num_tokens
             self.pool.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
         events = []
@@ -267,8 +323,16 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.status is Status.RUNNING:
             self.running.remove(req)
-            self._to_drop.append(req.request_id)
-        self.pool.release(req.request_id)
+            pads = self.config.batching == "static" and reason not in (FinishReason.CANCELLED, FinishReason.ERROR)
+            if pads and self.running:
+                self.padding[req.request_id] = req.num_computed_tokens
+            else:
+                self._to_drop.append(req.request_id)
+                self.pool.release(req.request_id)
+            if not self.running:
+                self._release_padding()  # the batch has ended
+        else:
+            self.pool.release(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_time = time.monotonic()

@@ -48,7 +48,7 @@ class WorkerLoop:
         self.on_gone = on_gone  # (loop, reason) -> moves its requests to other workers when the worker dies
         self.health_checks: set[str] = set()  # request ids of health checks in flight (never moved)
         self.pool = RecordingPagePool(info.num_pages, info.page_size, cfg.prefix_caching)
-        self.core = Scheduler(self.pool, cfg.core_config())
+        self.core = Scheduler(self.pool, cfg.core_config(), max_context=info.max_context or None)
         self.kvcache = kvcache
         self.streams: dict[str, asyncio.Queue] = {}
         self.queued_hashes: Counter[bytes] = Counter()  # prompt pages of this worker's requests
@@ -212,10 +212,11 @@ class WorkerLoop:
         m.orphaned_pages.labels(w).set(self.pages_held_by_finished())
 
     def pages_held_by_finished(self) -> int:
-        """Pages in tables of sequences the core no longer tracks: a leak if ever above zero."""
+        """Pages in tables of sequences the core no longer tracks (neither requests nor a padded
+        static batch's finished rows): a leak if ever above zero."""
         held = set()
         for seq_id, table in self.pool.tables.items():
-            if seq_id not in self.core.requests:
+            if seq_id not in self.core.requests and seq_id not in self.core.padding:
                 held.update(table.page_ids)
         return len(held)
 
