@@ -1,6 +1,6 @@
 """Scheduler benchmarks on a fresh one-worker mesh per configuration, measured with `kvmesh bench`.
 
-    cd bench && ../.venv/bin/python scheduling.py batching [random|sharegpt-like [MAX_NUM_SEQS [NUM_REQUESTS]]]
+    cd bench && ../.venv/bin/python scheduling.py batching [random|sharegpt-like [MAX_NUM_SEQS [NUM_REQUESTS [MODES]]]]
     cd bench && ../.venv/bin/python scheduling.py bound [WORKLOAD [MAX_NUM_SEQS [NUM_REQUESTS]]]   # no model
     cd bench && ../.venv/bin/python scheduling.py head-of-line   # short requests' TTFT while long prompts arrive
     cd bench && ../.venv/bin/python scheduling.py sweep          # latency against throughput across request rates
@@ -58,16 +58,18 @@ def line(name: str, r: dict) -> str:
             f"TTFT p50 {t['p50']:8.0f} p99 {t['p99']:8.0f} ms  E2E p50 {e['p50']:8.0f} ms")
 
 
-def batching(workload: str = "random", max_num_seqs: str = "8", num_requests: str = "32") -> None:
+def batching(workload: str = "random", max_num_seqs: str = "8", num_requests: str = "32",
+             modes: str = "continuous,static,static-unpadded") -> None:
     flags = ["--workload", workload, "--num-requests", num_requests, "--input-len", "16:512", "--output-len", "16:512",
-             "--seed", os.environ.get("BENCH_SEED", "1")]
+             "--seed", os.environ.get("BENCH_SEED", "1"), "--timeout", "7200"]
     results = {}
-    for mode in ("continuous", "static", "static-unpadded"):
-        # The whole workload arrives at once on purpose: no request may time out in the queue.
+    for mode in modes.split(","):
+        # The whole workload arrives at once on purpose: no request may time out in the queue, nor
+        # give up in the client (a static run of 512 requests keeps the last ones waiting > 600 s).
         results[mode] = with_mesh(["--batching", mode, "--max-num-seqs", max_num_seqs, "--max-queue-wait-s", "0"],
                                   lambda addr: run_bench(addr, *flags))
         print(line(f"{mode} batching", results[mode]), flush=True)
-    for static in ("static", "static-unpadded"):
+    for static in [m for m in results if m != "continuous"]:
         ratio = results["continuous"]["output_throughput"] / results[static]["output_throughput"]
         print(f"continuous / {static} output tok/s: {ratio:.2f}x")
 
@@ -155,7 +157,7 @@ def main() -> None:
     which = sys.argv[1] if len(sys.argv) > 1 else ""
     runs = {"batching": batching, "bound": bound, "head-of-line": head_of_line, "sweep": sweep}
     if which not in runs:
-        sys.exit(f"usage: scheduling.py {{{'|'.join(runs)}}}; batching takes [WORKLOAD [MAX_NUM_SEQS [NUM_REQUESTS]]]")
+        sys.exit(f"usage: scheduling.py {{{'|'.join(runs)}}}; batching takes [WORKLOAD [MAX_NUM_SEQS [NUM_REQUESTS [MODES]]]]")
     runs[which](*sys.argv[2:])
 
 

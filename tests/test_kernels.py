@@ -1,6 +1,8 @@
 """Paged attention against dense causal attention, and the fast path against the reference."""
 
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -134,3 +136,28 @@ def test_without_the_kernel_every_sequence_takes_the_portable_path(monkeypatch):
     assert plan.decodes == [] and plan.others == seqs
     ref = paged_attention_reference(q, kc, vc, seqs, scale=0.125)
     torch.testing.assert_close(plan(q, kc, vc, 0.125), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    native._clear_stale_lock(tmp_path)
+    assert lock.exists()  # another process may be building right now
+    old = time.time() - native._STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    native._clear_stale_lock(tmp_path)
+    assert not lock.exists()  # torch would otherwise wait on it forever
+
+
+def test_the_decode_kernel_refuses_slots_outside_the_cache_instead_of_reading_them():
+    op = native.decode_attention()
+    if op is None:
+        pytest.skip("the decode kernel is not built here")
+    q, kc, vc = torch.randn(1, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    out = torch.empty_like(q)
+    rows, indptr = torch.tensor([0]), torch.tensor([0, 2])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(q, kc, vc, rows, indptr, torch.tensor([3, 8]), 0.25, out)
+    with pytest.raises(RuntimeError, match="indptr must span"):
+        op(q, kc, vc, rows, indptr, torch.tensor([3]), 0.25, out)
+    op(q, kc, vc, rows, indptr, torch.tensor([3, 7]), 0.25, out)  # in range: fine

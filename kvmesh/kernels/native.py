@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -29,6 +30,22 @@ _ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma"],
     "base": [],
 }
+
+
+# A build takes seconds; a lock file much older than that was left by a process killed while it
+# built, and torch would wait on it forever.
+_STALE_LOCK_S = 300
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def _isa() -> str:
@@ -45,8 +62,10 @@ def decode_attention():
     try:
         from torch.utils import cpp_extension
 
+        name = f"kvmesh_attention_{isa}"
+        _clear_stale_lock(Path(cpp_extension.get_default_build_root()) / name)
         cpp_extension.load(
-            name=f"kvmesh_attention_{isa}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]],
             extra_ldflags=["-fopenmp"],

@@ -75,7 +75,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), sums(group), scores;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t s = work / kv_heads, kvh = work % kv_heads;
       const int64_t row = rows[s], first = ptr[s], n = ptr[s + 1] - first;
@@ -106,7 +106,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> sums(group);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n;
         float m = -std::numeric_limits<float>::infinity();
@@ -152,6 +151,19 @@ void decode_attention_(const at::Tensor& q, const at::Tensor& k_cache, const at:
                   slot_ids.is_contiguous(),
               "q_rows, indptr and slot_ids must be contiguous int64");
   TORCH_CHECK(indptr.size(0) == q_rows.size(0) + 1, "indptr must have one more entry than q_rows");
+  {  // Reads go wherever the indices point: check them once per call (microseconds).
+    const int64_t* ptr = indptr.data_ptr<int64_t>();
+    const int64_t* rows = q_rows.data_ptr<int64_t>();
+    const int64_t* slots = slot_ids.data_ptr<int64_t>();
+    TORCH_CHECK(ptr[0] == 0 && ptr[q_rows.size(0)] == slot_ids.size(0), "indptr must span slot_ids");
+    for (int64_t s = 0; s < q_rows.size(0); ++s) {
+      TORCH_CHECK(ptr[s + 1] > ptr[s], "every sequence must see at least one slot");
+      TORCH_CHECK(rows[s] >= 0 && rows[s] < q.size(0) && rows[s] < out.size(0), "q_rows out of range");
+    }
+    const int64_t num_slots = std::min(k_cache.size(0), v_cache.size(0));
+    for (int64_t i = 0; i < slot_ids.size(0); ++i)
+      TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot ", slots[i], " is outside the cache of ", num_slots);
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_", [&] {
     switch (q.size(2)) {
       case 64: run<scalar_t, 64>(q, k_cache, v_cache, q_rows, indptr, slot_ids, scale, out); break;
