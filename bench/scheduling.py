@@ -103,14 +103,16 @@ def bound(workload: str = "random", max_num_seqs: str = "32", num_requests: str 
         while core.has_unfinished():
             plan = core.schedule()
             sampled = []
+            for seq_id in plan.dropped:  # preempted or released: recomputed from its known tokens
+                computed[seq_id] = 0
+            for new in plan.new:  # a prefix-cache hit starts with some tokens computed
+                computed[new.seq_id] = new.num_computed_tokens
             for chunk in plan.scheduled:
                 computed[chunk.seq_id] += chunk.num_tokens
                 tokens += chunk.num_tokens
                 if computed[chunk.seq_id] == known[chunk.seq_id]:  # level with its tokens: samples one
                     known[chunk.seq_id] += 1
                     sampled.append(SampledToken(chunk.seq_id, 1, 0.0))
-            for seq_id in plan.dropped:  # preempted or released: recomputed from its known tokens
-                computed[seq_id] = 0
             core.update(plan, StepResult(sampled))
             steps += 1
         counts[mode] = steps, tokens
