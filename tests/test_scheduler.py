@@ -416,7 +416,9 @@ def test_padding_rows_give_their_pages_to_requests_and_stop_at_the_models_contex
     # must give way instead of preempting anyone.
     run = Run(num_pages=7, page_size=2, max_num_seqs=2, batching="static")
     run.add(make_request("short", [1, 2], max_new=1, arrival=0.0), make_request("long", [3, 4], max_new=11, arrival=1.0))
-    run.to_completion()
+    plans = run.to_completion()
+    short_steps = [i for i, plan in enumerate(plans) if "short" in run.scheduled(plan)]
+    assert 1 < len(short_steps) < len(plans)  # it padded for a while, then gave its pages up
     assert run.scheduler.num_preemptions == 0 and not run.scheduler.padding
     assert_all_finished_in_full(run)
 

@@ -9,6 +9,7 @@ import pytest
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from local_mesh import Mesh, collect, queue_state, wait_idle
+from reference import assert_matches_reference, hf_greedy
 
 
 def ids_request(ids, n, priority=0):
@@ -139,3 +140,24 @@ def test_a_request_waiting_past_the_queue_limit_ends_with_an_error_and_holds_not
     (tokens, _, _, finish), idle = asyncio.run(run())
     assert tokens == [] and finish.reason == gen.ERROR and "in the queue" in finish.message
     assert all(w.used_pages == 0 for w in idle)
+
+
+def test_padded_static_batches_stream_exactly_and_return_every_page(model_dir):
+    # Batches of 3: the short requests' rows keep decoding until each batch's longest ends.
+    mesh = Mesh(model_dir, workers=1, extra_scheduler=["--batching", "static", "--max-num-seqs", "3"])
+    lengths = [(9, 2), (15, 10), (6, 4), (20, 1), (11, 8)]  # (prompt tokens, output tokens)
+    prompts = [random_ids(n, seed=40 + i) for i, (n, _) in enumerate(lengths)]
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(mesh.addr) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                results = await asyncio.gather(*(collect(stub, ids_request(p, k)) for p, (_, k) in zip(prompts, lengths)))
+                return results, await wait_idle(mesh.kvcache_addr)
+
+        results, idle = asyncio.run(run())
+        for prompt, (_, k), (tokens, logprobs, _, finish) in zip(prompts, lengths, results):
+            assert finish.reason == gen.LENGTH and finish.completion_tokens == len(tokens) == k
+            assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, prompt, k))
+        assert all(w.used_pages == 0 and w.free_pages + w.cached_pages == w.total_pages for w in idle)
+    finally:
+        mesh.close()
