@@ -12,7 +12,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +23,10 @@
 #include <vector>
 
 namespace {
+
+// Below this many K values per call (1 MB of K and V in float32, some tens of microseconds on
+// one core) the work stays on the calling thread.
+constexpr int64_t kParallelMinElements = 1 << 17;
 
 #if defined(__AVX512F__)
 // float32 with AVX-512: one query head at a time, its dot products and its weighted sum of V
@@ -74,7 +80,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t v_s0 = v_cache.stride(0), v_s1 = v_cache.stride(1);
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Like torch's own kernels, stay on the calling thread when the work is small: a parallel region
+  // costs more than a few thousand dot products, and idle pool threads spin on shared cores.
+  const int64_t work_items = num_seqs * kv_heads;
+  const int64_t key_elements = slot_ids.size(0) * kv_heads * head_dim;  // K (and V) values read
+  const int64_t grain = key_elements < kParallelMinElements ? std::max<int64_t>(work_items, 1) : 1;
+  at::parallel_for(0, work_items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), sums(group), scores;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t s = work / kv_heads, kvh = work % kv_heads;

@@ -212,10 +212,17 @@ def load_runner(cfg: WorkerConfig) -> ModelRunner:
 
 
 def warm_up(runner: ModelRunner) -> None:
-    """One real step (prefill and sample) so the first request pays no first-call costs."""
-    plan = StepPlan(new=[NewSequence("warm-up", [1, 2, 3], 3, SamplingParams(temperature=0.0), [0])],
-                    scheduled=[ScheduledChunk("warm-up", 3)])
-    runner.step(plan)
+    """Real steps (two sequences prefilled, then two decode steps) so the first requests pay no
+    first-call costs: oneDNN primitives for prefill and decode shapes, the decode kernel's threads.
+    Without the decode steps a fresh worker's first decodes were slow enough to fail a canary's
+    latency comparison against a warm stable worker."""
+    ids = ("warm-up-0", "warm-up-1")
+    per_seq = -(-6 // runner.page_size)  # 3 prompt tokens, 3 sampled
+    runner.step(StepPlan(new=[NewSequence(s, [1, 2, 3], 3, SamplingParams(temperature=0.0),
+                                          list(range(i * per_seq, (i + 1) * per_seq))) for i, s in enumerate(ids)],
+                         scheduled=[ScheduledChunk(s, 3) for s in ids]))
+    for _ in range(2):
+        runner.step(StepPlan(scheduled=[ScheduledChunk(s, 1) for s in ids]))
     runner.seqs.clear()
 
 
