@@ -231,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", default="1,5,25,50,100", help="start: canary traffic percents, the last 100")
     p.add_argument("--interval", default="60s", help="start: how long each step must stay healthy (e.g. 60s, 5m)")
     p.add_argument("--min-requests", type=int, default=20, help="start: canary requests a window needs before advancing")
+    p.add_argument("--max-p99-ratio", type=float, default=1.2,
+                   help="start: roll back when the canary's p99 latency is above this many times the stable's")
     p.add_argument("--reason", default="aborted by hand", help="abort: recorded in the history")
     p.set_defaults(func=cmd_rollout)
 

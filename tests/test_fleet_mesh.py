@@ -198,8 +198,11 @@ def test_a_healthy_canary_is_promoted_to_100_percent(one_worker_mesh, model_dir)
     canary = ExtraWorker(mesh, model_dir, "canary-0", "--version", "v2")
     try:
         wait_scheduled(mesh.redis_url, 2, timeout_s=60)
+        # Two identical workers on two shared cores: p99s of a few 3-token requests (tens of ms)
+        # differ by noise alone, up to 1.7x in CI runs. The latency verdict has its unit tests
+        # (tests/test_fleet.py); here it only must not take a healthy canary for a slow one.
         rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "50,100", "--interval", "2s",
-                "--min-requests", "4")
+                "--min-requests", "4", "--max-p99-ratio", "3")
         time.sleep(1.5)
         finishes = drive_until(mesh, lambda s: s["status"] != "running", batch=2)
         state = rollout_state(mesh)

@@ -46,7 +46,8 @@ async def start(registry: Registry, args: argparse.Namespace) -> int:
                              "pass --stable VERSION")
         stable = others[0]
     state = start_rollout(args.model, stable, args.canary, time.time(), steps=parse_steps(args.steps),
-                          interval_s=parse_duration(args.interval), min_requests=args.min_requests)
+                          interval_s=parse_duration(args.interval), min_requests=args.min_requests,
+                          max_p99_ratio=args.max_p99_ratio)
     if not await registry.replace_rollout(args.model, current, state.to_json()):
         raise ValueError("the rollout state changed meanwhile; try again")
     print(f"rollout of {args.model}: {args.canary} at {canary_percent(state):g}% beside {stable}"
