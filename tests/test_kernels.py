@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels import native
-from kvmesh.kernels.attention import AttentionPlan, SequenceSlice, causal_mask, paged_attention, paged_attention_reference, write_kv
+from kvmesh.kernels.attention import AttentionPlan, SequenceSlice, causal_mask, paged_attention_reference, write_kv
 
 PAGE = 16
 
@@ -69,13 +69,13 @@ def test_reference_equals_dense_causal_attention(layout):
 def test_fast_path_equals_reference(layout):
     q, kc, vc, seqs, _ = build_case(layout, seed=1)
     ref = paged_attention_reference(q, kc, vc, seqs, scale=0.2)
-    torch.testing.assert_close(paged_attention(q, kc, vc, seqs, scale=0.2), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(AttentionPlan(seqs)(q, kc, vc, 0.2), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_sliding_window_limits_what_a_query_sees():
     layout = [(60, 1), (60, 12)]
     q, kc, vc, seqs, dense = build_case(layout, seed=2, window=20)
-    fast = paged_attention(q, kc, vc, seqs, scale=0.2)
+    fast = AttentionPlan(seqs)(q, kc, vc, 0.2)
     ref = paged_attention_reference(q, kc, vc, seqs, scale=0.2, sliding_window=20)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     for s, (dq, dk, dv) in zip(seqs, dense):
@@ -93,7 +93,7 @@ def test_contiguous_runs_are_read_in_place_with_the_same_result():
         write_kv(k2, v2, run, kc[s.slots], vc[s.slots])
         moved.append(SequenceSlice(s.query_start, s.query_end, run, s.mask, first_slot=start))
         start += -(-s.context_len // PAGE) * PAGE
-    torch.testing.assert_close(paged_attention(q, k2, v2, moved, scale=0.2), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(AttentionPlan(moved)(q, k2, v2, 0.2), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_the_decode_kernel_builds_on_this_machine():

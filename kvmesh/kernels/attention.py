@@ -112,18 +112,6 @@ def _sdpa_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: 
     out[s.query_start : s.query_end] = o[0].transpose(0, 1)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seqs: list[SequenceSlice],
-    scale: float,
-) -> torch.Tensor:
-    """Attention for a flattened batch. q is `[tokens, heads, head_dim]`; returns the same shape.
-    The model builds one `AttentionPlan` per step instead; this is the same for a single call."""
-    return AttentionPlan(seqs)(q, k_cache, v_cache, scale)
-
-
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
