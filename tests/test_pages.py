@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -248,13 +248,15 @@ class PagePoolMachine(RuleBasedStateMachine):
     each page's contents checks that a prefix hit holds exactly the tokens it is matched for and
     that no sequence writes into a page another sequence holds."""
 
-    @initialize(num_pages=st.integers(4, 16), page_size=st.integers(2, 4))
+    @initialize(num_pages=st.one_of(st.integers(4, 16), st.sampled_from([16, 1024, 4096, 10**6])),
+                page_size=st.integers(2, 4))
     def make_pool(self, num_pages, page_size):
         self.pool = PagePool(num_pages, page_size)
         self.ps = page_size
         self.seqs: dict[str, Seq] = {}
         self.contents: dict[int, list[int | None]] = {}  # tokens written into each page
         self.next_id = 0
+        self.ballast: set[int] = set()  # pages of the "ballast" sequence (see fill)
 
     # -- what the scheduler does, checked as it goes
 
@@ -269,7 +271,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.seqs[seq_id] = Seq(tokens, prompt_len, len(prefix) * self.ps)
 
     def _holders(self, page: int) -> int:
-        return sum(page in self.pool.page_table(s) for s in self.seqs)
+        return sum(page in self.pool.page_table(s) for s in self.seqs) + (page in self.ballast)
 
     def _compute(self, seq_id: str, n: int, next_token: int) -> bool:
         """Grows for n more tokens and computes them; False (nothing changed) when pages run short."""
@@ -342,7 +344,22 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.pool.release(seq_id)
         self._open(seq_id, seq.tokens, seq.prompt_len)  # recompute from whatever is still cached
 
-    @precondition(lambda self: len(self.seqs) < 6)
+    @precondition(lambda self: not self.ballast and 16 < self.pool.num_pages <= 1024 and len(self.pool.free) > 8)
+    @rule(room=st.integers(0, 8))
+    def fill(self, room):
+        """A sequence holding all but `room` free pages, so that a large pool evicts too (its pages
+        are never computed and it takes no part in the other rules)."""
+        self.pool.open("ballast", [])
+        assert self.pool.grow("ballast", (len(self.pool.free) - room) * self.ps) is not None
+        self.ballast = set(self.pool.page_table("ballast"))
+
+    @precondition(lambda self: self.ballast)
+    @rule()
+    def drop_ballast(self):
+        self.pool.release("ballast")
+        self.ballast = set()
+
+    @precondition(lambda self: len(self.seqs) < 6 and self.pool.num_pages <= 16)
     @rule(data=st.data())
     def evict(self, data):
         """A long prompt grown a page at a time until the pool evicts a cached page or runs out."""
@@ -366,14 +383,13 @@ class PagePoolMachine(RuleBasedStateMachine):
         pool.check()
         s = pool.stats()
         assert s.free + s.used + s.cached == s.total
-        assert min(pool.ref_count) >= 0
-        assert not set(pool.free) & set(pool.evictable)
-        assert set(pool.tables) == set(self.seqs)
+        assert not set(pool.free) & set(pool.cached)
+        assert set(pool.tables) == set(self.seqs) | ({"ballast"} if self.ballast else set())
         for seq_id, seq in self.seqs.items():
             table = pool.page_table(seq_id)
             assert len(table) >= pool.pages_needed(seq.computed)
             for page in table:
-                assert pool.ref_count[page] >= 1 and page not in pool.free and page not in pool.evictable
+                assert pool.refs[page] >= 1 and page not in pool.free and page not in pool.cached
 
     @invariant()
     def computed_tokens_are_in_the_pages(self):
@@ -384,4 +400,80 @@ class PagePoolMachine(RuleBasedStateMachine):
 
 
 TestPagePoolMachine = PagePoolMachine.TestCase
-TestPagePoolMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestPagePoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# -- cost does not grow with the pool ----------------------------------------------------------
+
+
+def lines_run(fn) -> int:
+    """Python lines executed by fn(), in every function it calls: a count of operations that does
+    not depend on how busy the machine is."""
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+SCRIPT = st.lists(st.tuples(st.sampled_from(["open", "grow", "release", "commit"]), st.integers(0, 15),
+                            st.integers(1, 8)), min_size=1, max_size=40)
+
+
+def run_script(num_pages: int, script) -> list[int]:
+    """Runs the operations on a fragmented pool of `num_pages` pages; the lines each one took."""
+    pool, ps, counts = PagePool(num_pages, page_size=4), 4, []
+    for i in range(16):  # fragmentation: every other sequence's pages are given back
+        filled(pool, f"f{i}", [i] * 9)
+    for i in range(0, 16, 2):
+        pool.release(f"f{i}")
+    for op, seq, pages in script:
+        seq_id, tokens = f"s{seq}", [seq % 3] * (pages * ps)
+        if op == "open" and seq_id not in pool.tables:
+            counts.append(lines_run(lambda: pool.open(seq_id, pool.match_prefix(tokens))))
+        elif op == "grow" and seq_id in pool.tables:
+            size = len(pool.page_table(seq_id)) * ps + pages * ps
+            counts.append(lines_run(lambda: pool.grow(seq_id, size)))
+        elif op == "commit" and seq_id in pool.tables:
+            n = len(pool.page_table(seq_id)) * ps
+            counts.append(lines_run(lambda: pool.commit(seq_id, [seq % 3] * n, n)))
+        elif op == "release":
+            counts.append(lines_run(lambda: pool.release(seq_id)))
+    pool.check()
+    return counts
+
+
+@settings(max_examples=30, deadline=None)
+@given(script=SCRIPT)
+def test_every_operation_costs_the_same_in_a_pool_of_a_million_pages_as_in_one_of_a_thousand(script):
+    small = run_script(1024, script)  # the script never needs more than 16 * 15 * 8 + 48 pages
+    assert run_script(10**6, script) == small
+    assert run_script(2**16, script) == small
+
+
+@pytest.mark.parametrize("num_pages", [64, 4096, 65536])
+def test_evicting_a_cached_page_costs_the_same_whatever_the_pool_size(num_pages):
+    pool = PagePool(num_pages, page_size=2)
+    filled(pool, "all", list(range(2 * num_pages)))
+    pool.release("all")  # every page cached
+    pool.open("new", [])
+    cost = lines_run(lambda: pool.grow("new", 6))  # three evictions
+    assert pool.stats().cached == num_pages - 3
+    assert cost == EVICTION_COST.setdefault("grow 3", cost)
+
+
+EVICTION_COST: dict[str, int] = {}
+
+
+def test_a_pool_of_a_million_pages_is_as_cheap_to_make_as_a_small_one():
+    assert lines_run(lambda: PagePool(10**6)) == lines_run(lambda: PagePool(16))
+

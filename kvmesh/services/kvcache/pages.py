@@ -3,8 +3,12 @@
 Every page is in exactly one state: free (no owner, no content worth keeping), in use (one or
 more sequences reference it), or cached (no owner, but it holds a full page of tokens whose
 chained hash is in the prefix index, so a later request with the same prefix can reuse it).
-Cached pages are evicted least-recently-used, and only when no free page is left.
+Cached pages are evicted least-recently-used (eviction.py), and only when no free page is left.
 Invariant, checked by `check()`: free + in use + cached == total.
+
+Every operation costs O(1) per page it touches, whatever the pool's size, and the pool's memory
+grows with the pages ever handed out, not with its size: a pool of a million pages costs what a
+small one costs (`FreePages` never lists the pages nobody has used yet).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from kvmesh.services.kvcache.eviction import LRUCache
 
 
 def page_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -49,6 +55,45 @@ class PageTable:
     hashes: list[bytes] = field(default_factory=list)
 
 
+class FreePages:
+    """The free page ids, in O(1) per operation: take a given page (to extend a run), take any
+    page, give one back. Pages at or above `untouched` were never handed out and are not listed;
+    pages given back wait in a queue, oldest first, and are reused before untouched ones, so the
+    pages in use stay few and warm in a large pool."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.untouched = 0
+        self.returned: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.returned) + self.num_pages - self.untouched
+
+    def __contains__(self, page: int) -> bool:
+        return page in self.returned or self.untouched <= page < self.num_pages
+
+    def __iter__(self):
+        yield from self.returned
+        yield from range(self.untouched, self.num_pages)
+
+    def take(self, page: int) -> None:
+        """Takes `page`, which must be free and at most `untouched` (the page after one in use)."""
+        if page == self.untouched:
+            self.untouched += 1
+        else:
+            del self.returned[page]
+
+    def take_any(self) -> int:
+        if self.returned:
+            page, _ = self.returned.popitem(last=False)
+            return page
+        self.untouched += 1
+        return self.untouched - 1
+
+    def give_back(self, page: int) -> None:
+        self.returned[page] = None
+
+
 class PagePool:
     """Page tables and prefix sharing for `num_pages` pages of `page_size` tokens."""
 
@@ -58,10 +103,10 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_count = [0] * num_pages
-        self.hash_of: list[bytes | None] = [None] * num_pages
-        self.free: set[int] = set(range(num_pages))
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
+        self.refs: dict[int, int] = {}  # page in use -> how many page tables hold it
+        self.hash_of: dict[int, bytes] = {}  # page -> its hash, for pages in the prefix index
+        self.free = FreePages(num_pages)
+        self.cached = LRUCache()  # pages only the prefix index holds, least recently used first
         self.index: dict[bytes, int] = {}  # page hash -> page id
         self.tables: dict[str, PageTable] = {}
         # (added, hash) for every prefix-index change, when someone mirrors the index (kvcache -> Redis).
@@ -72,10 +117,10 @@ class PagePool:
     @property
     def num_available(self) -> int:
         """Pages an allocation can take now: free ones plus evictable cached ones."""
-        return len(self.free) + len(self.evictable)
+        return len(self.free) + len(self.cached)
 
     def stats(self) -> PageStats:
-        return PageStats(self.num_pages, len(self.free), self.num_pages - len(self.free) - len(self.evictable), len(self.evictable))
+        return PageStats(self.num_pages, len(self.free), len(self.refs), len(self.cached))
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -83,14 +128,19 @@ class PagePool:
     def page_table(self, seq_id: str) -> list[int]:
         return self.tables[seq_id].page_ids
 
+    def num_committed(self, seq_id: str) -> int:
+        """How many leading pages of the sequence are in the prefix index already."""
+        return len(self.tables[seq_id].hashes)
+
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Cached pages covering the longest cached prefix of `token_ids`, leaving the last token
         uncached (its logits must be computed)."""
         if not self.enable_prefix_caching:
             return []
-        pages = []
-        for h in prefix_hashes(token_ids, self.page_size):
-            page = self.index.get(h)
+        pages, parent, ps = [], None, self.page_size
+        for i in range((len(token_ids) - 1) // ps):
+            parent = page_hash(parent, token_ids[i * ps : (i + 1) * ps])
+            page = self.index.get(parent)
             if page is None:
                 break
             pages.append(page)
@@ -124,18 +174,22 @@ class PagePool:
             table.page_ids.append(new[-1])
         return new
 
-    def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Publishes the sequence's pages that are now full of computed tokens to the prefix index."""
+    def commit(self, seq_id: str, token_ids, num_computed: int, first_page: int = 0) -> None:
+        """Publishes the sequence's pages that are now full of computed tokens to the prefix index.
+        `token_ids` holds the sequence's tokens from page `first_page` on (at least up to the last
+        full page); only the pages not yet published are read, so a caller that keeps its tokens in
+        one list pays per new page, not per token of context."""
         if not self.enable_prefix_caching:
             return
-        table = self.tables[seq_id]
-        full = min(num_computed // self.page_size, len(table.page_ids))
+        table, ps = self.tables[seq_id], self.page_size
+        full = min(num_computed // ps, len(table.page_ids))
         for i in range(len(table.hashes), full):
             parent = table.hashes[-1] if table.hashes else None
-            h = page_hash(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
+            at = (i - first_page) * ps
+            h = page_hash(parent, token_ids[at : at + ps])
             table.hashes.append(h)
             page = table.page_ids[i]
-            if h not in self.index and self.hash_of[page] is None:
+            if h not in self.index and page not in self.hash_of:
                 self.index[h] = page
                 if self.index_changes is not None:
                     self.index_changes.append((True, h))
@@ -148,59 +202,55 @@ class PagePool:
             return
         # Last pages first into the LRU, so a prefix's head outlives its tail.
         for page in reversed(table.page_ids):
-            self.ref_count[page] -= 1
-            if self.ref_count[page] == 0:
-                if self.hash_of[page] is not None:
-                    self.evictable[page] = None
-                else:
-                    self.free.add(page)
-
-    def _roomy_free_page(self) -> int:
-        pages = sorted(self.free)
-        best_start, best_len, start = pages[0], 1, pages[0]
-        for prev, page in zip(pages, pages[1:]):
-            if page != prev + 1:
-                start = page
-            if page - start + 1 > best_len:
-                best_start, best_len = start, page - start + 1
-        return best_start + best_len // 2
+            left = self.refs[page] - 1
+            if left:
+                self.refs[page] = left
+                continue
+            del self.refs[page]
+            if page in self.hash_of:
+                self.cached.add(page)
+            else:
+                self.free.give_back(page)
 
     def _ref(self, page: int) -> None:
-        if self.ref_count[page] == 0:
-            self.evictable.pop(page, None)
-        self.ref_count[page] += 1
+        count = self.refs.get(page, 0)
+        if count == 0:
+            self.cached.remove(page)
+        self.refs[page] = count + 1
 
     def _take(self, after: int | None) -> int:
         """A page for a table whose last page is `after`: the next page when it is free, so the
         table stays one contiguous run (attention then reads it in place, without a gather);
-        otherwise the middle of the longest free run, leaving room to grow; otherwise the least
-        recently used cached page."""
+        otherwise any free page; otherwise the least recently used cached page, emptied."""
         if after is not None and after + 1 in self.free:
             page = after + 1
-            self.free.remove(page)
-        elif self.free:
-            page = self._roomy_free_page()
-            self.free.remove(page)
+            self.free.take(page)
+        elif len(self.free):
+            page = self.free.take_any()
         else:
-            page, _ = self.evictable.popitem(last=False)
-            del self.index[self.hash_of[page]]
+            page = self.cached.evict()
+            h = self.hash_of.pop(page)
+            del self.index[h]
             if self.index_changes is not None:
-                self.index_changes.append((False, self.hash_of[page]))
-            self.hash_of[page] = None
-        self.ref_count[page] = 1
+                self.index_changes.append((False, h))
+        self.refs[page] = 1
         return page
 
     def check(self) -> None:
-        """Asserts the accounting invariants (tests call it after every operation)."""
+        """Asserts the accounting invariants (tests call it after every operation). Costs O(pages
+        ever handed out), not O(pool size)."""
         s = self.stats()
         assert s.free + s.used + s.cached == s.total, s
-        assert all(c >= 0 for c in self.ref_count), "negative reference count"
-        free, evictable = self.free, set(self.evictable)
-        assert not free & evictable, "a page is in two free states"
-        assert all(self.ref_count[p] == 0 for p in free | evictable), "a referenced page is free"
-        refs = [0] * self.num_pages
+        assert all(c > 0 for c in self.refs.values()), "a page in use has no holder"
+        returned, cached, used = set(self.free.returned), set(self.cached), set(self.refs)
+        assert not (returned & cached or returned & used or cached & used), "a page is in two states"
+        assert all(p < self.free.untouched for p in returned | cached | used), "an untouched page is not free"
+        assert len(returned | cached | used) == self.free.untouched, "a page handed out is in no state"
+        refs: dict[int, int] = {}
         for table in self.tables.values():
             for p in table.page_ids:
-                refs[p] += 1
-        assert refs == self.ref_count, "reference counts disagree with page tables"
-        assert all(self.hash_of[p] == h for h, p in self.index.items()), "prefix index out of sync"
+                refs[p] = refs.get(p, 0) + 1
+        assert refs == self.refs, "reference counts disagree with page tables"
+        assert all(self.hash_of.get(p) == h for h, p in self.index.items()), "prefix index out of sync"
+        assert len(self.hash_of) == len(self.index), "a page has a hash the index does not list"
+        assert all(p in self.hash_of for p in cached), "a cached page is not in the prefix index"

@@ -34,12 +34,14 @@ class RecordingPagePool(PagePool):
             self.ops.append(Op(kind=Op.GROW, seq_id=seq_id, num_tokens=num_tokens, page_ids=pages))
         return pages
 
-    def commit(self, seq_id, token_ids, num_computed):
-        before = len(self.tables[seq_id].hashes) if seq_id in self.tables else 0
-        super().commit(seq_id, token_ids, num_computed)
-        if seq_id in self.tables and len(self.tables[seq_id].hashes) > before:
+    def commit(self, seq_id, token_ids, num_computed, first_page=0):
+        before = self.num_committed(seq_id)
+        super().commit(seq_id, token_ids, num_computed, first_page)
+        after = self.num_committed(seq_id)
+        if after > before:  # the op carries only the newly published pages' tokens
+            at = (before - first_page) * self.page_size
             self.ops.append(Op(kind=Op.COMMIT, seq_id=seq_id, num_tokens=num_computed,
-                               token_ids=token_ids[: len(self.tables[seq_id].hashes) * self.page_size]))
+                               token_ids=token_ids[at : at + (after - before) * self.page_size]))
 
     def release(self, seq_id):
         if seq_id in self.tables:
@@ -59,8 +61,8 @@ def apply_ops(pool: PagePool, ops) -> bool:
         elif op.kind == Op.GROW:
             if pool.grow(op.seq_id, op.num_tokens) != list(op.page_ids):
                 return True
-        elif op.kind == Op.COMMIT:
-            pool.commit(op.seq_id, list(op.token_ids), op.num_tokens)
+        elif op.kind == Op.COMMIT:  # token_ids start at the first page not yet published
+            pool.commit(op.seq_id, list(op.token_ids), op.num_tokens, first_page=pool.num_committed(op.seq_id))
         elif op.kind == Op.RELEASE:
             pool.release(op.seq_id)
     return False

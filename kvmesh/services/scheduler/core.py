@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 
 from kvmesh.params import InvalidRequest
+from kvmesh.services.kvcache.eviction import VICTIM_POLICIES, pick_victim
 from kvmesh.services.kvcache.pages import PagePool
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan, StepResult
 
-VICTIM_POLICIES = ("newest", "priority", "size")
 BATCHING_MODES = ("continuous", "static", "static-unpadded")
 
 
@@ -165,7 +165,7 @@ class Scheduler:
                     self._drop_padding(seq_id)
                     plan.dropped.append(seq_id)
                     continue
-                victim = self._pick_victim()
+                victim = pick_victim(self.running, self.config.victim_policy)
                 budget += self._preempt(victim, plan, chunks)
                 preempted = True
                 if victim is req:
@@ -269,14 +269,6 @@ class Scheduler:
             self._drop_padding(seq_id)
             self._to_drop.append(seq_id)
 
-    def _pick_victim(self) -> Request:
-        policy = self.config.victim_policy
-        if policy == "priority":
-            return min(reversed(self.running), key=lambda r: r.priority)  # lowest priority, newest on ties
-        if policy == "size":
-            return max(reversed(self.running), key=lambda r: r.num_computed_tokens)
-        return self.running[-1]
-
     def _preempt(self, victim: Request, plan: StepPlan, chunks: dict[str, ScheduledChunk]) -> int:
         """Frees the victim's pages and requeues it; returns the budget its dropped chunk held."""
         self.pool.release(victim.request_id)
@@ -304,14 +296,13 @@ class Scheduler:
             if req is None or req.status is not Status.RUNNING:
                 continue  # aborted while the step ran (or a padding row released since)
             req.num_computed_tokens += chunk.num_tokens
-            self.pool.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            self.pool.commit(req.request_id, req.token_ids, req.num_computed_tokens)
         events = []
         for tok in result.tokens:
             req = self.requests.get(tok.seq_id)
             if req is None or req.status is not Status.RUNNING:
                 continue
-            req.output_token_ids.append(tok.token_id)
-            req.output_logprobs.append(tok.logprob)
+            req.append_output(tok.token_id, tok.logprob)
             if req.first_token_time is None:
                 req.first_token_time = now
             reason = req.stop_reason()

@@ -47,14 +47,26 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     traceparent: str = ""  # W3C trace context of the scheduler's span for this request ("" when not traced)
+    # Prompt and output in one list, kept as tokens arrive, so a step reads new pages' tokens
+    # without copying the whole context.
+    token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_output(self, token_id: int, logprob: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        self.token_ids.append(token_id)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """A copy of prompt plus output (for a worker that keeps its own)."""
+        return list(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def is_finished(self) -> bool:
