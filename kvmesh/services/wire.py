@@ -42,15 +42,20 @@ def stopping_to_proto(s: StoppingParams) -> gen.StoppingParams:
 
 
 def plan_to_proto(step: int, plan: StepPlan) -> wk.StepRequest:
-    return wk.StepRequest(
+    m = wk.StepRequest(
         step=step,
         dropped=plan.dropped,
         new=[wk.NewSequence(seq_id=n.seq_id, token_ids=n.token_ids, num_prompt_tokens=n.num_prompt_tokens,
                             sampling=sampling_to_proto(n.sampling), page_ids=n.page_ids,
                             num_computed_tokens=n.num_computed_tokens, traceparent=n.traceparent) for n in plan.new],
-        scheduled=[wk.ScheduledChunk(seq_id=c.seq_id, num_tokens=c.num_tokens, new_page_ids=c.new_page_ids)
-                   for c in plan.scheduled],
     )
+    add = m.scheduled.add  # in place: a step has hundreds of chunks, most of them one decode token
+    for c in plan.scheduled:
+        if c.new_page_ids:
+            add(seq_id=c.seq_id, num_tokens=c.num_tokens, new_page_ids=c.new_page_ids)
+        else:
+            add(seq_id=c.seq_id, num_tokens=c.num_tokens)
+    return m
 
 
 def plan_from_proto(m: wk.StepRequest) -> StepPlan:

@@ -29,7 +29,7 @@ class RecordingPagePool(PagePool):
                            traceparent=self.traceparents.get(seq_id, "")))
 
     def grow(self, seq_id, num_tokens):
-        pages = super().grow(seq_id, num_tokens)
+        pages = PagePool.grow(self, seq_id, num_tokens)
         if pages:
             self.ops.append(Op(kind=Op.GROW, seq_id=seq_id, num_tokens=num_tokens, page_ids=pages))
         return pages

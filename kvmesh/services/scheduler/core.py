@@ -153,13 +153,14 @@ class Scheduler:
         chunks: dict[str, ScheduledChunk] = {}
         budget = self.config.max_batched_tokens
         preempted = False
+        grow, cap = self.pool.grow, self._chunk_cap
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
-            while (new_pages := self.pool.grow(req.request_id, req.num_computed_tokens + n)) is None:
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget, cap)
+            while (new_pages := grow(req.request_id, req.num_computed_tokens + n)) is None:
                 if self.padding:  # padding rows give way before any request is preempted
                     seq_id = next(iter(self.padding))
                     self._drop_padding(seq_id)
@@ -288,6 +289,7 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
         """Advances computed counts, appends sampled tokens, finishes requests that hit a stop."""
         now = time.monotonic()
+        ps = self.pool.page_size
         for chunk in plan.scheduled:
             if chunk.seq_id in self.padding:
                 self.padding[chunk.seq_id] += chunk.num_tokens  # the token it sampled is discarded
@@ -295,8 +297,10 @@ class Scheduler:
             req = self.requests.get(chunk.seq_id)
             if req is None or req.status is not Status.RUNNING:
                 continue  # aborted while the step ran (or a padding row released since)
-            req.num_computed_tokens += chunk.num_tokens
-            self.pool.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+            before = req.num_computed_tokens
+            req.num_computed_tokens = after = before + chunk.num_tokens
+            if after // ps != before // ps:  # a page filled up: publish it to the prefix index
+                self.pool.commit(req.request_id, req.token_ids, after)
         events = []
         for tok in result.tokens:
             req = self.requests.get(tok.seq_id)

@@ -9,7 +9,7 @@ in-process engine both call it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,12 +47,28 @@ class SequenceState:
     sampling_row: SamplingRow
     page_ids: list[int]
     num_computed_tokens: int
+    page_size: int
     contiguous: bool = False  # page_ids is one run of consecutive pages: attention reads it in place
+    # The cache slot of every position the pages hold, grown by doubling as pages arrive, so a
+    # step reads a sequence's slots as a view instead of expanding its page table again.
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
     def extend(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        prev = self.page_ids[-1] if self.page_ids else None
         for page in pages:
-            self.contiguous = not self.page_ids or (self.contiguous and page == self.page_ids[-1] + 1)
-            self.page_ids.append(page)
+            self.contiguous = prev is None or (self.contiguous and page == prev + 1)
+            prev = page
+        start, ps = len(self.page_ids) * self.page_size, self.page_size
+        self.page_ids.extend(pages)
+        end = len(self.page_ids) * ps
+        if end > self.slots.shape[0]:
+            grown = torch.empty(max(end, 2 * self.slots.shape[0]), dtype=torch.long)
+            grown[:start] = self.slots[:start]
+            self.slots = grown
+        new = torch.tensor(pages, dtype=torch.long)
+        self.slots[start:end] = (new[:, None] * ps + torch.arange(ps)).flatten()
 
 
 class ModelRunner:
@@ -63,8 +79,6 @@ class ModelRunner:
         self.page_size = page_size
         self.pool = KVPool(model, num_pages, page_size)
         self.seqs: dict[str, SequenceState] = {}
-        # Slot offsets of one page, reused to expand page tables without per-token Python work.
-        self._page_offsets = torch.arange(page_size)
 
     def _add(self, new: NewSequence) -> None:
         prompt = new.token_ids[: new.num_prompt_tokens]
@@ -76,16 +90,13 @@ class ModelRunner:
             sampling_row=SamplingRow(new.sampling, prompt, output),
             page_ids=[],
             num_computed_tokens=new.num_computed_tokens,
+            page_size=self.page_size,
         )
         self.seqs[new.seq_id].extend(new.page_ids)
 
-    def _slots(self, state: SequenceState, upto: int) -> torch.Tensor:
-        pages = torch.tensor(state.page_ids[: -(-upto // self.page_size)], dtype=torch.long)
-        return (pages[:, None] * self.page_size + self._page_offsets).flatten()[:upto]
-
     def _build_batch(self, plan: StepPlan) -> tuple[BatchInput, list[SequenceState]]:
         tokens, positions, slots, seqs, logit_rows, sampled = [], [], [], [], [], []
-        row = 0
+        row, ps = 0, self.page_size
         window = self.model.cfg.sliding_window
         for chunk in plan.scheduled:
             state = self.seqs[chunk.seq_id]
@@ -93,10 +104,11 @@ class ModelRunner:
             start, end = state.num_computed_tokens, state.num_computed_tokens + chunk.num_tokens
             if end > len(state.page_ids) * self.page_size:
                 raise RuntimeError(f"sequence {chunk.seq_id}: {end} tokens do not fit its {len(state.page_ids)} pages")
-            ctx_slots = self._slots(state, end)
+            ctx_slots = state.slots[:end]
             tokens.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.append(ctx_slots[start:end])
+            pages = state.page_ids  # the new tokens' slots in plain ints: no tensor op per sequence
+            slots.extend(pages[pos // ps] * ps + pos % ps for pos in range(start, end))
             first_slot = state.page_ids[0] * self.page_size if state.contiguous else None
             seqs.append(SequenceSlice(row, row + chunk.num_tokens, ctx_slots, causal_mask(chunk.num_tokens, end, window),
                                       first_slot=first_slot))
@@ -108,7 +120,7 @@ class ModelRunner:
         batch = BatchInput(
             token_ids=torch.tensor(tokens, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
-            slots=torch.cat(slots),
+            slots=torch.tensor(slots, dtype=torch.long),
             seqs=seqs,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long),
         )
