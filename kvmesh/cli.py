@@ -129,19 +129,18 @@ def cmd_up(args: argparse.Namespace) -> int:
               tls=args.tls, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_names=args.tls_name)
 
 
-def client_credentials(args: argparse.Namespace):
-    """A CLI client's channel credentials: TLS to the router's public port with `--tls-ca` (or
-    `--tls`: gRPC's bundled roots), else the mesh identity (mTLS, for an internal service) when
-    `--mesh-*` or KVMESH_MESH_* name one, else plaintext (None)."""
+def client_channel(args: argparse.Namespace):
+    """A CLI client's (synchronous) channel to `args.addr`: TLS to the router's public port with
+    `--tls-ca` (or `--tls`: gRPC's bundled roots), else mTLS with the mesh identity (for an internal
+    service) when `--mesh-*` or KVMESH_MESH_* name one, else plaintext. ValueError for bad settings."""
     from kvmesh.services import config as c
-    from kvmesh.services.tls import mesh_identity, public_client_credentials
+    from kvmesh.services.tls import channel, mesh_channel, mesh_identity, public_client_credentials
 
     if args.tls_ca or args.tls:
-        return public_client_credentials(args.tls_ca)
+        return channel(args.addr, public_client_credentials(args.tls_ca), aio=False)
     if getattr(args, "plaintext", False) or not hasattr(args, "mesh_ca"):
-        return None
-    identity = mesh_identity(c.from_args(c.MeshTLSConfig, args))
-    return identity.channel_credentials() if identity else None
+        return channel(args.addr, aio=False)
+    return mesh_channel(args.addr, mesh_identity(c.from_args(c.MeshTLSConfig, args)), aio=False)
 
 
 def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
@@ -168,14 +167,12 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvmesh.services.tls import channel as open_channel
-
     try:
-        credentials = client_credentials(args)
+        channel = client_channel(args)
     except (ValueError, OSError) as e:
         print(f"kvmesh health: error: {e}", file=sys.stderr)
         return 2
-    with open_channel(args.addr, credentials, aio=False) as channel:
+    with channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
                                                                timeout=args.timeout).status
@@ -203,9 +200,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     request = gen.GenerateRequest(model=args.model, prompt=args.prompt,
                                   sampling=gen.SamplingParams(temperature=args.temperature),
                                   stopping=gen.StoppingParams(max_new_tokens=args.max_new_tokens, stop=args.stop))
-    from kvmesh.services.tls import channel as open_channel
-
-    with open_channel(args.addr, client_credentials(args), aio=False) as channel:
+    with client_channel(args) as channel:
         try:
             for response in generation_pb2_grpc.GenerationStub(channel).Generate(request):
                 for token in response.tokens:

@@ -24,8 +24,8 @@ from kvmesh.services.grpc_server import ServiceServer
 from kvmesh.services.launcher import MeshTLS, free_port, start_redis
 from kvmesh.services.redis_client import check_redis_url, connect, redacted
 from kvmesh.services.registry import service_key
-from kvmesh.services.tls import (MESH_NAMES, MeshCertificates, certificate_names, channel, issue_certificate, make_ca,
-                                 public_client_credentials)
+from kvmesh.services.tls import (MESH_NAMES, MeshCertificates, MeshIdentity, certificate_names, channel, issue_certificate,
+                                 make_ca, mesh_channel, public_client_credentials)
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -113,6 +113,29 @@ def test_a_mesh_server_refuses_peers_without_a_certificate_from_its_ca(tmp_path)
     assert asyncio.run(run()) == {"mesh client": "answered", "plaintext": grpc.StatusCode.UNAVAILABLE,
                                   "no certificate": grpc.StatusCode.UNAVAILABLE,
                                   "certificate from another CA": grpc.StatusCode.UNAVAILABLE}
+
+
+def test_one_shared_server_name_stands_in_for_addresses_no_certificate_can_list(tmp_path):
+    ca_cert, ca_key = make_ca()
+    cert, key = issue_certificate(ca_cert, ca_key, "kvmesh-worker", ["kvmesh-mesh"])  # no IP: a pod's is unknown
+    server_identity = MeshIdentity(ca_cert, cert, key)
+    client_cert, client_key = issue_certificate(ca_cert, ca_key, "kvmesh-scheduler", ["kvmesh-mesh"])
+
+    async def run():
+        server = ServiceServer(["kvmesh.v1.Worker"], lambda s: None, "127.0.0.1", 0, server_identity.server_credentials())
+        await server.start()
+        answers = []
+        for server_name in ("kvmesh-mesh", ""):
+            async with mesh_channel(f"127.0.0.1:{server.port}", MeshIdentity(ca_cert, client_cert, client_key, server_name)) as ch:
+                try:
+                    await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    answers.append("answered")
+                except grpc.aio.AioRpcError as e:
+                    answers.append(e.code())
+        await server.stop(0)
+        return answers
+
+    assert asyncio.run(run()) == ["answered", grpc.StatusCode.UNAVAILABLE]  # 127.0.0.1 is not a name it carries
 
 
 # ---- Redis URLs, password, ACL user, TLS ---------------------------------------------------------

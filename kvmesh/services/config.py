@@ -68,6 +68,7 @@ class MeshTLSConfig:
     mesh_ca: str = dataclasses.field(default="", metadata=_help("mTLS inside the mesh: the CA certificate (PEM) peers must be signed by; with --mesh-cert and --mesh-key (default: off, plaintext)"))
     mesh_cert: str = dataclasses.field(default="", metadata=_help("mTLS: this service's certificate (PEM, signed by --mesh-ca; its names must cover the advertised address)"))
     mesh_key: str = dataclasses.field(default="", metadata=_help("mTLS: this service's private key (PEM)"))
+    mesh_server_name: str = dataclasses.field(default="", metadata=_help("mTLS: the name every peer's certificate must carry (default: the host of the address dialled; set one shared name when addresses are pod IPs or scaled containers)"))
 
     def __post_init__(self):
         from kvmesh.services.tls import check_files

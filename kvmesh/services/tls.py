@@ -45,10 +45,13 @@ class MeshIdentity:
     ca: bytes
     cert: bytes
     key: bytes
+    # The name a peer's certificate must carry; empty: the host of the address dialled. One shared
+    # name suits addresses nobody can know ahead (pod IPs, the hostnames of scaled containers).
+    server_name: str = ""
 
     @classmethod
-    def from_files(cls, ca: str, cert: str, key: str) -> "MeshIdentity":
-        return cls(Path(ca).read_bytes(), Path(cert).read_bytes(), Path(key).read_bytes())
+    def from_files(cls, ca: str, cert: str, key: str, server_name: str = "") -> "MeshIdentity":
+        return cls(Path(ca).read_bytes(), Path(cert).read_bytes(), Path(key).read_bytes(), server_name)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Server side: presents our certificate and refuses a peer without one from the CA."""
@@ -63,7 +66,7 @@ def mesh_identity(common) -> MeshIdentity | None:
     """The identity named by a CommonConfig (`mesh_ca`, `mesh_cert`, `mesh_key`); None when TLS is off."""
     if not common.mesh_ca:
         return None
-    return MeshIdentity.from_files(common.mesh_ca, common.mesh_cert, common.mesh_key)
+    return MeshIdentity.from_files(common.mesh_ca, common.mesh_cert, common.mesh_key, common.mesh_server_name)
 
 
 def mesh_server_credentials(common) -> grpc.ServerCredentials | None:
@@ -95,7 +98,10 @@ def channel(address: str, credentials: grpc.ChannelCredentials | None = None, *,
 
 def mesh_channel(address: str, identity: MeshIdentity | None, *, aio: bool = True):
     """A channel to another service of the mesh: mTLS when the mesh has an identity."""
-    return channel(address, identity.channel_credentials() if identity else None, aio=aio)
+    if identity is None:
+        return channel(address, aio=aio)
+    options = (("grpc.ssl_target_name_override", identity.server_name),) if identity.server_name else ()
+    return channel(address, identity.channel_credentials(), aio=aio, options=options)
 
 
 class RegisteredPeers:
