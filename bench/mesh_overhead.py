@@ -18,8 +18,8 @@ import statistics
 import time
 
 import grpc
-import redis
 
+from kvmesh.services.redis_client import connect
 from offline_throughput import workload
 
 
@@ -87,7 +87,7 @@ def main() -> None:
                 engine_runs.append(local[1] / local[0])
                 print(f"pass {i}: mesh {mesh_runs[-1]:7.1f} tok/s, in-process {engine_runs[-1]:7.1f} tok/s")
         time.sleep(1.0)  # let the scheduler publish its final step timing
-        r = redis.Redis.from_url(redis_url, decode_responses=True)
+        r = connect(redis_url, aio=False)
         state = [json.loads(r.get(k)) for k in r.scan_iter(QUEUE_STATE_PATTERN)]
     finally:
         stop(children, redis_proc)

@@ -230,9 +230,9 @@ async def send(stub, cfg: BenchConfig, req: BenchRequest) -> Outcome:
 async def drive(cfg: BenchConfig, workload: list[BenchRequest], rate: float, gaps: list[float],
                 progress: bool) -> tuple[list[Outcome], float]:
     """Sends `workload` with the given arrival gaps; returns the outcomes and the run's seconds."""
-    import grpc
     from tqdm import tqdm
 
+    from kvmesh.services import tls
     from kvmesh.v1 import generation_pb2_grpc
 
     gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
@@ -244,7 +244,7 @@ async def drive(cfg: BenchConfig, workload: list[BenchRequest], rate: float, gap
         async with gate:
             return await send(stub, cfg, req)
 
-    async with grpc.aio.insecure_channel(cfg.addr) as channel:
+    async with tls.channel(cfg.addr) as channel:  # the router's public port, plaintext
         stub = generation_pb2_grpc.GenerationStub(channel)
         start, due, tasks = time.perf_counter(), 0.0, []
         for i, req in enumerate(workload):

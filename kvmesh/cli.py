@@ -118,7 +118,34 @@ def cmd_up(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"kvmesh up: error: --model: {e}", file=sys.stderr)
             return 2
-    return up(model, args.workers, args.redis_url, args.port, args.batching, args.http_port, args.autoscale)
+    from kvmesh.services.tls import check_files
+
+    try:
+        check_files({"--tls-cert": args.tls_cert or "", "--tls-key": args.tls_key or ""})
+    except ValueError as e:
+        print(f"kvmesh up: error: {e}", file=sys.stderr)
+        return 2
+    return up(model, args.workers, args.redis_url, args.port, args.batching, args.http_port, args.autoscale,
+              tls=args.tls, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_names=args.tls_name)
+
+
+def client_channel(args: argparse.Namespace):
+    """A CLI client's (synchronous) channel to `args.addr`: TLS to the router's public port with
+    `--tls-ca` (or `--tls`: gRPC's bundled roots), else mTLS with the mesh identity (for an internal
+    service) when `--mesh-*` or KVMESH_MESH_* name one, else plaintext. ValueError for bad settings."""
+    from kvmesh.services import config as c
+    from kvmesh.services.tls import channel, mesh_channel, mesh_identity, public_client_credentials
+
+    if args.tls_ca or args.tls:
+        return channel(args.addr, public_client_credentials(args.tls_ca), aio=False)
+    if getattr(args, "plaintext", False) or not hasattr(args, "mesh_ca"):
+        return channel(args.addr, aio=False)
+    return mesh_channel(args.addr, mesh_identity(c.from_args(c.MeshTLSConfig, args)), aio=False)
+
+
+def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", help="the router's public port has TLS: trust this CA certificate (PEM)")
+    p.add_argument("--tls", action="store_true", help="the router's public port has TLS: trust gRPC's bundled roots")
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -140,7 +167,12 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.addr) as channel:
+    try:
+        channel = client_channel(args)
+    except (ValueError, OSError) as e:
+        print(f"kvmesh health: error: {e}", file=sys.stderr)
+        return 2
+    with channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
                                                                timeout=args.timeout).status
@@ -149,6 +181,14 @@ def cmd_health(args: argparse.Namespace) -> int:
             return 1
     print(f"{args.addr}: {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}")
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from kvmesh.services.tls import MESH_NAMES, MeshCertificates
+
+    certs = MeshCertificates.create(args.out, args.name)
+    print(f"CA {certs.ca_path}; certificates for {', '.join(MESH_NAMES)} in {certs.folder}")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -160,7 +200,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     request = gen.GenerateRequest(model=args.model, prompt=args.prompt,
                                   sampling=gen.SamplingParams(temperature=args.temperature),
                                   stopping=gen.StoppingParams(max_new_tokens=args.max_new_tokens, stop=args.stop))
-    with grpc.insecure_channel(args.addr) as channel:
+    with client_channel(args) as channel:
         try:
             for response in generation_pb2_grpc.GenerationStub(channel).Generate(request):
                 for token in response.tokens:
@@ -220,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000, help="router HTTP port (OpenAI-compatible API, /metrics)")
     p.add_argument("--batching", choices=["continuous", "static", "static-unpadded"], default="continuous",
                    help="scheduler batching mode (static: the baseline, a batch runs until its longest request ends; see kvmesh serve scheduler --help)")
+    p.add_argument("--tls", action="store_true",
+                   help="mTLS between the services: a private CA and a certificate per service in the state folder")
+    p.add_argument("--tls-name", action="append", default=[], metavar="NAME",
+                   help="with --tls: another DNS name or IP the certificates carry (repeatable; always: localhost, 127.0.0.1, ::1, the hostname)")
+    p.add_argument("--tls-cert", help="TLS on the router's public ports (gRPC and HTTP): its certificate chain (PEM)")
+    p.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("rollout", help="canary rollouts of a model pool: start, status, abort")
@@ -240,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("addr", help="host:port of any kvmesh service")
     p.add_argument("--service", default="", help="a service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0)
+    c.add_flags(p, c.MeshTLSConfig)
+    add_client_tls_flags(p)
+    p.add_argument("--plaintext", action="store_true",
+                   help="no TLS even when KVMESH_MESH_* are set (the router's public port without a certificate)")
     p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("generate", help="stream a completion from a running mesh")
@@ -249,7 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_client_tls_flags(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("certs", help="make a private CA and a certificate per service, for mTLS inside the mesh")
+    p.add_argument("--out", type=Path, required=True, help="folder (an existing ca.pem and ca-key.pem there are reused)")
+    p.add_argument("--name", action="append", default=[], metavar="NAME",
+                   help="a DNS name or IP the certificates carry, besides loopback and the hostname (repeatable)")
+    p.set_defaults(func=cmd_certs)
 
     from kvmesh import bench
 

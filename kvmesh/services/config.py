@@ -62,10 +62,31 @@ def _help(text: str):
 
 
 @dataclass(frozen=True)
-class CommonConfig:
-    redis_url: str = dataclasses.field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis for registry and state"))
+class MeshTLSConfig:
+    """A process's identity inside the mesh (every service, and operator tools such as `kvmesh health`)."""
+
+    mesh_ca: str = dataclasses.field(default="", metadata=_help("mTLS inside the mesh: the CA certificate (PEM) peers must be signed by; with --mesh-cert and --mesh-key (default: off, plaintext)"))
+    mesh_cert: str = dataclasses.field(default="", metadata=_help("mTLS: this service's certificate (PEM, signed by --mesh-ca; its names must cover the advertised address)"))
+    mesh_key: str = dataclasses.field(default="", metadata=_help("mTLS: this service's private key (PEM)"))
+    mesh_server_name: str = dataclasses.field(default="", metadata=_help("mTLS: the name every peer's certificate must carry (default: the host of the address dialled; set one shared name when addresses are pod IPs or scaled containers)"))
+
+    def __post_init__(self):
+        from kvmesh.services.tls import check_files
+
+        check_files({"mesh_ca": self.mesh_ca, "mesh_cert": self.mesh_cert, "mesh_key": self.mesh_key})
+
+
+@dataclass(frozen=True)
+class CommonConfig(MeshTLSConfig):
+    redis_url: str = dataclasses.field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis for registry and state: redis://[[USER]:PASSWORD@]HOST:PORT/DB, rediss:// for TLS (options: kvmesh/services/redis_client.py)"))
     host: str = dataclasses.field(default="127.0.0.1", metadata=_help("address to listen on"))
     advertise_host: str = dataclasses.field(default="", metadata=_help("address others use to reach this service (default: host)"))
+
+    def __post_init__(self):
+        from kvmesh.services.redis_client import check_redis_url
+
+        super().__post_init__()
+        check_redis_url(self.redis_url)
 
 
 @dataclass(frozen=True)
@@ -177,9 +198,14 @@ class RouterConfig:
     no_worker_wait_s: float = dataclasses.field(default=5.0, metadata=_help("a request for a pool with no ready worker waits this long, then UNAVAILABLE"))
     http_port: int = dataclasses.field(default=8000, metadata=_help("HTTP port: OpenAI-compatible API, /health, /ready, /metrics (0: pick a free one; -1: off)"))
     api_keys: str = dataclasses.field(default="", metadata=_help("comma-separated API keys; when set, callers must send `authorization: Bearer KEY` (HTTP header or gRPC metadata)"))
+    tls_cert: str = dataclasses.field(default="", metadata=_help("TLS on the public ports (gRPC and HTTP): the server certificate chain (PEM), with --tls-key (default: plaintext; the mesh's own mTLS is --mesh-*)"))
+    tls_key: str = dataclasses.field(default="", metadata=_help("TLS on the public ports: the private key of --tls-cert (PEM)"))
 
     def __post_init__(self):
         from kvmesh.services.router.pools import parse_models
+        from kvmesh.services.tls import check_files
+
+        check_files({"tls_cert": self.tls_cert, "tls_key": self.tls_key})
 
         parse_models(self.model, self.model_name)
         if self.no_worker_wait_s < 0:

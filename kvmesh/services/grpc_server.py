@@ -19,16 +19,20 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class ServiceServer:
-    """A grpc.aio server with health and reflection; `port` is the bound port (0 picks one)."""
+    """A grpc.aio server with health and reflection; `port` is the bound port (0 picks one).
+    With `credentials` it listens with TLS (kvmesh.services.tls: mTLS inside the mesh), else plaintext."""
 
-    def __init__(self, service_names: list[str], add_servicers: Callable[[grpc.aio.Server], None], host: str, port: int):
+    def __init__(self, service_names: list[str], add_servicers: Callable[[grpc.aio.Server], None], host: str, port: int,
+                 credentials: grpc.ServerCredentials | None = None):
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
         reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = (self.server.add_secure_port(address, credentials) if credentials
+                     else self.server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
 

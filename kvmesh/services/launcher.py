@@ -15,9 +15,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvmesh.services.tls import MeshCertificates
 
 
 def free_port() -> int:
@@ -46,10 +50,13 @@ class Child:
         log.close()
 
 
-def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
-    """Blocks until the gRPC health check at `address` answers SERVING."""
+def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, options: tuple = ()) -> None:
+    """Blocks until the gRPC health check at `address` answers SERVING (over TLS with `credentials`)."""
+    from kvmesh.services.tls import channel as open_channel
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials, aio=False, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
@@ -65,11 +72,10 @@ def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | Non
 
 def wait_scheduled(redis_url: str, workers: int, timeout_s: float) -> None:
     """Blocks until the scheduler's published queue state shows `workers` live workers."""
-    import redis
-
+    from kvmesh.services.redis_client import connect
     from kvmesh.services.registry import read_queue_states
 
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r = connect(redis_url, aio=False)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -82,13 +88,14 @@ def wait_scheduled(redis_url: str, workers: int, timeout_s: float) -> None:
     raise TimeoutError(f"the scheduler did not reach all {workers} workers within {timeout_s:.0f}s")
 
 
-def start_redis(port: int, workdir: str) -> subprocess.Popen:
+def start_redis(port: int, workdir: str, *extra: str) -> subprocess.Popen:
+    """A redis-server on 127.0.0.1:`port`; `extra` arguments come last (--requirepass, TLS settings)."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("redis-server is not on PATH: install it (Debian/Ubuntu: apt-get install redis-server; "
                          "macOS: brew install redis) or pass --redis-url redis://HOST:PORT")
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--maxmemory-policy", "noeviction", "--dir", workdir],
+                             "--maxmemory-policy", "noeviction", "--dir", workdir, *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -109,13 +116,19 @@ Pools = list[tuple[str, str | None]]  # (pool name, checkpoint folder or None fo
 
 def launch(model: "str | None | Pools", workers: int, redis_url: str | None, port: int, extra_worker: list[str] = (),
            extra_scheduler: list[str] = (), log_dir: str | None = None, http_port: int | None = None,
-           extra_router: list[str] = (), env: dict[str, str] | None = None) -> tuple[list[Child], subprocess.Popen | None, str]:
+           extra_router: list[str] = (), env: dict[str, str] | None = None, tls: "MeshTLS | None" = None,
+           ) -> tuple[list[Child], subprocess.Popen | None, str]:
     """Starts the mesh and waits until it is ready; returns the children, redis and its URL.
 
     `model` is one checkpoint folder (None: the default model) served as pool `default`, or a
     list of (pool name, folder): one scheduler and `workers` workers per pool, one router for all.
     Every service gets a free /metrics port; the router's HTTP port is `http_port` (None: a free one).
-    `env` adds variables to the services' environment (OTEL_* settings, for one)."""
+    `env` adds variables to the services' environment (OTEL_* settings, for one). `tls` gives every
+    service its mesh certificate (mTLS) and the router's public side its own, if any."""
+    tls = tls or MeshTLS()
+    extra_worker = [*extra_worker, *tls.flags("worker")]
+    extra_scheduler = [*extra_scheduler, *tls.flags("scheduler")]
+    extra_router = [*extra_router, *tls.flags("router")]
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvmesh-up-")
     redis_proc = None
     if redis_url is None:
@@ -127,7 +140,7 @@ def launch(model: "str | None | Pools", workers: int, redis_url: str | None, por
     env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
     children: list[Child] = []
     try:
-        children.append(_spawn("kvcache", "kvcache", "", redis_url, free_port(), [], log_dir, env))
+        children.append(_spawn("kvcache", "kvcache", "", redis_url, free_port(), tls.flags("kvcache"), log_dir, env))
         for name, _ in pools:
             children.append(_spawn("scheduler" if single else f"scheduler-{name}", "scheduler", name, redis_url,
                                    free_port(), ["--pool", name, *extra_scheduler], log_dir, env))
@@ -140,12 +153,43 @@ def launch(model: "str | None | Pools", workers: int, redis_url: str | None, por
         children.append(_spawn("router", "router", "", redis_url, port, [*(["--model", router_model] if router_model else []),
                                                                          *extra_router], log_dir, env, http_port))
         for child in children:
-            wait_serving(child.address, {"worker": 300, "router": 120}.get(child.service, 30), child.process)
+            wait_serving(child.address, {"worker": 300, "router": 120}.get(child.service, 30), child.process,
+                         *tls.client(child.service))
         wait_scheduled(redis_url, workers * len(pools), timeout_s=60)
     except BaseException:
         stop(children, redis_proc)
         raise
     return children, redis_proc, redis_url
+
+
+@dataclass(frozen=True)
+class MeshTLS:
+    """What `kvmesh up --tls` (and `--tls-cert`/`--tls-key`) adds to each service's command line,
+    and how the launcher's own health checks reach them. Empty: everything plaintext."""
+
+    certs: "MeshCertificates | None" = None  # mTLS inside the mesh
+    public_cert: str = ""  # the router's public ports
+    public_key: str = ""
+
+    def flags(self, service: str) -> list[str]:
+        flags = self.certs.flags(service) if self.certs else []
+        if service == "router" and self.public_cert:
+            flags += ["--tls-cert", self.public_cert, "--tls-key", self.public_key]
+        return flags
+
+    def client(self, service: str) -> tuple:
+        """(credentials, channel options) for a health check of `service`'s gRPC port."""
+        from kvmesh.services.tls import certificate_names, public_client_credentials
+
+        if service == "router":
+            if not self.public_cert:
+                return None, ()
+            # The certificate file is its own trust anchor (self-signed, or a chain up to its root),
+            # checked for the first name it carries, since the launcher dials 127.0.0.1.
+            with open(self.public_cert, "rb") as f:
+                name = certificate_names(f.read())[0]
+            return public_client_credentials(self.public_cert), (("grpc.ssl_target_name_override", name),)
+        return (self.certs.identity("client").channel_credentials() if self.certs else None), ()
 
 
 def worker_child(pool: str, index: int, folder: str | None, redis_url: str, log_dir: str, env: dict,
@@ -182,18 +226,30 @@ def stop(children: list[Child], redis_proc: subprocess.Popen | None) -> None:
 
 
 def up(model: "str | None | Pools", workers: int, redis_url: str | None, port: int, batching: str = "continuous",
-       http_port: int = 8000, autoscale: bool = False, extra_scheduler: list[str] = ()) -> int:
+       http_port: int = 8000, autoscale: bool = False, extra_scheduler: list[str] = (), tls: bool = False,
+       tls_cert: str = "", tls_key: str = "", tls_names: list[str] = ()) -> int:
+    """`kvmesh up`. `tls`: a private CA and a certificate per service in the state folder, and mTLS on
+    every internal call; `tls_cert`/`tls_key`: TLS on the router's public ports (plaintext without)."""
+    from kvmesh.services.redis_client import redacted
+    from kvmesh.services.tls import MeshCertificates
+
     print("starting the kvmesh mesh (the first start generates the default model)...", flush=True)
     log_dir = tempfile.mkdtemp(prefix="kvmesh-up-")
+    mesh_tls = MeshTLS(MeshCertificates.create(os.path.join(log_dir, "tls"), list(tls_names)) if tls else None,
+                       tls_cert, tls_key)
     children, redis_proc, redis_url = launch(model, workers, redis_url, port, log_dir=log_dir, http_port=http_port,
-                                             extra_scheduler=["--batching", batching, *extra_scheduler])
-    print(f"redis      {redis_url}")
+                                             extra_scheduler=["--batching", batching, *extra_scheduler], tls=mesh_tls)
+    print(f"redis      {redacted(redis_url)}")
     for child in children:
         print(f"{child.name:<10} gRPC {child.address}   metrics http://{child.http}/metrics")
     print(f"logs       {log_dir}")
+    if mesh_tls.certs:
+        print(f"mTLS       CA and service certificates in {mesh_tls.certs.folder} "
+              f"(kvmesh health needs {' '.join(mesh_tls.certs.flags('client'))})")
     first = model[0][0] if isinstance(model, list) else "default"
-    print(f'\nready. try:\n  kvmesh generate --addr 127.0.0.1:{port} --model {first} --max-new-tokens 32 "Once upon a time"\n'
-          f'  curl http://127.0.0.1:{http_port}/v1/completions -H "Content-Type: application/json" '
+    client_tls, scheme = (f" --tls-ca {tls_cert}", "https") if tls_cert else ("", "http")
+    print(f'\nready. try:\n  kvmesh generate --addr 127.0.0.1:{port}{client_tls} --model {first} --max-new-tokens 32 "Once upon a time"\n'
+          f'  curl {scheme}://127.0.0.1:{http_port}/v1/completions -H "Content-Type: application/json" '
           f"""-d '{{"model": "{first}", "prompt": "Once upon a time", "max_tokens": 32}}'\n"""
           "Ctrl-C stops every service.", flush=True)
     stopping = False
@@ -207,7 +263,7 @@ def up(model: "str | None | Pools", workers: int, redis_url: str | None, port: i
     from kvmesh.services.supervisor import Supervisor
 
     folders = dict(model) if isinstance(model, list) else {"default": model}
-    supervisor = Supervisor(children, redis_url, log_dir, autoscale, folders=folders)
+    supervisor = Supervisor(children, redis_url, log_dir, autoscale, extra_worker=mesh_tls.flags("worker"), folders=folders)
     try:
         while not stopping:
             if (fatal := supervisor.poll()) is not None:

@@ -15,6 +15,8 @@ import logging
 
 import redis.asyncio as aioredis
 
+from kvmesh.services.redis_client import connect
+
 log = logging.getLogger(__name__)
 
 PREFIX = "kvmesh:"
@@ -71,7 +73,7 @@ class Registry:
     """Registers this process and finds the others. All methods are coroutines."""
 
     def __init__(self, redis_url: str, lease_s: float = 6.0):
-        self.redis = aioredis.from_url(redis_url, decode_responses=True)
+        self.redis = connect(redis_url)
         self.lease_s = lease_s
         self._heartbeats: list[asyncio.Task] = []
 

@@ -20,10 +20,10 @@ class Supervisor:
                  extra_worker: list[str] = (), folders: dict[str, str | None] | None = None):
         import random
 
-        import redis
+        from kvmesh.services.redis_client import connect
 
         self.children = children
-        self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.redis = connect(redis_url, aio=False)
         self.redis_url, self.log_dir, self.autoscale = redis_url, log_dir, autoscale
         self.extra_worker = list(extra_worker)
         self.folders = folders or {}

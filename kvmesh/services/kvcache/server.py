@@ -17,6 +17,7 @@ from kvmesh.services.kvcache.pages import PagePool
 from kvmesh.services.kvcache.prefix_store import PrefixStore
 from kvmesh.services.kvcache.replica import Op, apply_ops
 from kvmesh.services.registry import Registry
+from kvmesh.services.tls import mesh_server_credentials
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger("kvmesh.kvcache")
@@ -100,7 +101,7 @@ async def serve(common: CommonConfig, cfg: KVCacheServiceConfig) -> None:
     registry = Registry(common.redis_url)
     service = KVCacheService(PrefixStore(registry.redis))
     server = ServiceServer(["kvmesh.v1.KVCache"], lambda s: kvcache_pb2_grpc.add_KVCacheServicer_to_server(service, s),
-                           common.host, cfg.port)
+                           common.host, cfg.port, mesh_server_credentials(common))
     await server.start()
     address = advertised_address(common, server.port)
     print(f"kvcache ready on {address}", flush=True)

@@ -30,13 +30,13 @@ def build_app(service) -> web.Application:
     return app
 
 
-async def start_http(service, host: str, port: int) -> tuple[web.AppRunner, int] | None:
-    """Serves the app on host:port (0 picks a free port); None when port is -1."""
+async def start_http(service, host: str, port: int, ssl_context=None) -> tuple[web.AppRunner, int] | None:
+    """Serves the app on host:port (0 picks a free port), over TLS with `ssl_context`; None when port is -1."""
     if port < 0:
         return None
     runner = web.AppRunner(build_app(service), access_log=None, handler_cancellation=True)  # a client that leaves cancels at once
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]
     return runner, bound

@@ -26,6 +26,7 @@ from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve
 from kvmesh.services.registry import Registry, pool_of, ready_versions
 from kvmesh.services.router.pools import Pool, parse_models
 from kvmesh.services.router.stops import StopStringMatcher
+from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
 from kvmesh.tokenizer import IncrementalDetokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -47,8 +48,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     NOT_FOUND for an unknown model, UNAVAILABLE while no scheduler or worker is ready; a
     scheduler's error status is passed on as it came."""
 
-    def __init__(self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics | None = None):
+    def __init__(self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics | None = None,
+                 identity: MeshIdentity | None = None):
         self.cfg = cfg
+        self.schedulers = RegisteredPeers(identity, "scheduler")  # mTLS to them when the mesh has an identity
         self.api_keys = cfg.api_key_set()
         self.metrics = metrics or RouterMetrics()
         self.tracer = telemetry.tracer("kvmesh.router")
@@ -58,16 +61,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self._seeds = random.Random()
 
     async def discover(self, on_ready) -> None:
-        """Every half second: each pool's schedulers, ready workers per version and rollout state."""
-        channels: dict[str, grpc.aio.Channel] = {}
+        """Every half second: each pool's schedulers (those that answered over the mesh's channel,
+        so an entry from a peer without a certificate from the CA gets no traffic), ready workers per
+        version and rollout state."""
         while True:
             try:
                 schedulers = await self.registry.services("scheduler")
                 workers = await self.registry.services("worker")
+                verified = dict(await self.schedulers.channels([r["address"] for r in schedulers]))
                 for pool in self.pools.values():
-                    addresses = [r["address"] for r in schedulers if pool_of(r) == pool.name]
-                    pool.schedulers = [scheduler_pb2_grpc.SchedulerStub(channels.setdefault(a, grpc.aio.insecure_channel(a)))
-                                       for a in addresses]
+                    addresses = [r["address"] for r in schedulers if pool_of(r) == pool.name and r["address"] in verified]
+                    pool.schedulers = [scheduler_pb2_grpc.SchedulerStub(verified[a]) for a in addresses]
                     pool.versions = ready_versions(workers, pool.name)
                     pool.rollout = await self._rollout(pool.name)
                 await on_ready(self.is_ready)
@@ -287,12 +291,13 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
 
     telemetry.setup_tracing("router")
     registry = Registry(common.redis_url)
-    service = RouterService(cfg, registry)
+    service = RouterService(cfg, registry, identity=mesh_identity(common))
+    # The public ports: TLS only with a certificate of their own (the mesh's mTLS is for internal calls).
     server = ServiceServer(["kvmesh.v1.Generation"], lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s),
-                           common.host, cfg.port)
+                           common.host, cfg.port, public_server_credentials(cfg.tls_cert, cfg.tls_key))
     await server.start()
     address = advertised_address(common, server.port)
-    http = await start_http(service, common.host, cfg.http_port)
+    http = await start_http(service, common.host, cfg.http_port, public_ssl_context(cfg.tls_cert, cfg.tls_key))
     http_address = advertised_address(common, http[1]) if http else ""
     ready = asyncio.Event()
 

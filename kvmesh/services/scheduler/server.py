@@ -32,6 +32,7 @@ from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outco
 from kvmesh.services.scheduler.placement import PlacementConfig, choose_worker
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.services.scheduler.worker_loop import WorkerLoop
+from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_channel, mesh_identity, mesh_server_credentials
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -46,9 +47,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     TokenEvents out, the last with its finish reason. Errors: UNAVAILABLE when no worker is
     ready, INVALID_ARGUMENT when the request cannot fit a worker's KV pool."""
 
-    def __init__(self, cfg: SchedulerServiceConfig, registry: Registry, metrics: SchedulerMetrics | None = None):
+    def __init__(self, cfg: SchedulerServiceConfig, registry: Registry, metrics: SchedulerMetrics | None = None,
+                 identity: MeshIdentity | None = None):
         self.cfg = cfg
         self.registry = registry
+        self.identity = identity  # mTLS to workers and kvcache when set
+        self.kvcaches = RegisteredPeers(identity, "kvcache")
         self.metrics = metrics or SchedulerMetrics()
         self.tracer = telemetry.tracer("kvmesh.scheduler")
         self.workers: dict[str, WorkerLoop] = {}
@@ -210,14 +214,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def _refresh(self) -> None:
         kv = await self.registry.services("kvcache")
         if kv and self._kvcache_stub is None:
-            self._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(grpc.aio.insecure_channel(kv[0]["address"]))
+            verified = await self.kvcaches.channels([r["address"] for r in kv])  # a rogue entry is skipped
+            if verified:
+                self._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(verified[0][1])
         records = [r for r in await self.registry.services("worker") if pool_of(r) == self.cfg.pool]
         for record in records:
             current = self.workers.get(record["id"])
             if current is not None and current.info.epoch == record["epoch"] and (current.alive or current.draining):
                 continue  # known; a drained worker stays drained until it restarts (a new epoch)
-            channel = grpc.aio.insecure_channel(record["address"])
-            try:
+            channel = mesh_channel(record["address"], self.identity)
+            try:  # with mTLS, a worker without a certificate from the CA fails here and gets no loop
                 info = await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
             except grpc.aio.AioRpcError:
                 await channel.close()
@@ -304,9 +310,9 @@ async def serve(common: CommonConfig, cfg: SchedulerServiceConfig) -> None:
     telemetry.setup_tracing("scheduler")
     metrics_port = serve_metrics(common.host, cfg.metrics_port)
     registry = Registry(common.redis_url)
-    service = SchedulerService(cfg, registry)
+    service = SchedulerService(cfg, registry, identity=mesh_identity(common))
     server = ServiceServer(["kvmesh.v1.Scheduler"], lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, s),
-                           common.host, cfg.port)
+                           common.host, cfg.port, mesh_server_credentials(common))
     await server.start()
     address = advertised_address(common, server.port)
     tasks = [asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state(address)),

@@ -25,6 +25,7 @@ from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, WorkerConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry
+from kvmesh.services.tls import mesh_server_credentials
 from kvmesh.services.worker.model import CausalLM
 from kvmesh.services.worker.runner import KVPool, ModelRunner
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan
@@ -270,7 +271,7 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     metrics_port = serve_metrics(common.host, cfg.metrics_port)
     service = WorkerService(cfg.fault_rate)
     server = ServiceServer(["kvmesh.v1.Worker"], lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(service, s),
-                           common.host, cfg.port)
+                           common.host, cfg.port, mesh_server_credentials(common))
     await server.start()
     address = advertised_address(common, server.port)
     worker_id = cfg.worker_id or address
