@@ -292,7 +292,11 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
                            common.host, cfg.port)
     await server.start()
     address = advertised_address(common, server.port)
-    http = await start_http(service, common.host, cfg.http_port)
+    try:
+        http = await start_http(service, common.host, cfg.http_port)
+    except OSError:
+        await server.stop(0)  # before the loop closes: the process exits with the error alone
+        raise
     http_address = advertised_address(common, http[1]) if http else ""
     ready = asyncio.Event()
 
