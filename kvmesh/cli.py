@@ -6,6 +6,7 @@ Every subcommand takes flags; an unknown flag is an error. Sizes accept suffixes
 from __future__ import annotations
 
 import argparse
+import errno
 import re
 import sys
 from pathlib import Path
@@ -74,13 +75,6 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 SERVICES = ("router", "scheduler", "kvcache", "worker")
 
 
-def _service_config_class(service: str):
-    from kvmesh.services import config as c
-
-    return {"router": c.RouterConfig, "scheduler": c.SchedulerServiceConfig,
-            "kvcache": c.KVCacheServiceConfig, "worker": c.WorkerConfig}[service]
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import importlib
@@ -89,9 +83,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvmesh.services import config as c
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cls = _service_config_class(args.service)
+    cls = c.SERVICE_CONFIGS[args.service]
     try:
-        c.check_environment([c.CommonConfig, cls])
+        c.check_environment(c.service_classes(args.service))
         common, cfg = c.from_args(c.CommonConfig, args), c.from_args(cls, args)
     except ValueError as e:
         print(f"kvmesh serve {args.service}: error: {e}", file=sys.stderr)
@@ -100,13 +94,65 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"{args.service}: configuration ok: {common} {cfg}")
         return 0
     module = importlib.import_module(f"kvmesh.services.{args.service}.server")
-    asyncio.run(module.serve(common, cfg))
+    try:
+        asyncio.run(module.serve(common, cfg))
+    except OSError as e:
+        if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            raise
+        print(f"kvmesh serve {args.service}: error: {e.strerror}", file=sys.stderr)  # a port taken: say which
+        return 1
     return 0
 
 
+# `kvmesh up` flags for the settings people change most, each passed to the one service that reads it
+# (the rest: --SERVICE-arg).
+UP_SETTINGS = {"scheduler": ("max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "victim_policy", "batching"),
+               "worker": ("kv_memory_mib", "dtype", "threads", "page_size"),
+               "router": ("api_keys",)}
+
+
+def add_up_service_flags(p: argparse.ArgumentParser) -> None:
+    import dataclasses
+
+    from kvmesh.services import config as c
+
+    for service, names in UP_SETTINGS.items():
+        fields = {f.name: f for f in dataclasses.fields(c.SERVICE_CONFIGS[service])}
+        for name in names:
+            kind = eval(fields[name].type, {}, {}) if isinstance(fields[name].type, str) else fields[name].type
+            p.add_argument("--" + name.replace("_", "-"), type=kind, metavar=kind.__name__.upper(),
+                           help=f"{service}: {fields[name].metadata.get('help', '')}")
+    for service in SERVICES:
+        p.add_argument(f"--{service}-arg", action="append", default=[], metavar="ARG",
+                       help=f"more arguments for every {service}, as `kvmesh serve {service}` takes them; "
+                            f"write the value with '=' or in quotes: --{service}-arg=--flag=VALUE (repeatable)")
+
+
+def up_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Service -> the arguments `kvmesh up` adds to its command line."""
+    import shlex
+
+    out: dict[str, list[str]] = {service: [] for service in SERVICES}
+    for service, names in UP_SETTINGS.items():
+        for name in names:
+            if (value := getattr(args, name)) is not None:
+                out[service] += ["--" + name.replace("_", "-"), str(value)]
+    for service in SERVICES:
+        for arg in getattr(args, f"{service}_arg"):
+            out[service] += shlex.split(arg)
+    return out
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    from kvmesh.services import config as c
     from kvmesh.services.launcher import up
     from kvmesh.services.router.pools import parse_models
+
+    try:  # each service gets the variables it reads; one that none reads is a mistake
+        c.check_environment([c.CommonConfig, *c.SERVICE_CONFIGS.values()])
+    except ValueError as e:
+        print(f"kvmesh up: error: {e}", file=sys.stderr)
+        return 2
 
     if not args.model:
         model = None
@@ -125,7 +171,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvmesh up: error: {e}", file=sys.stderr)
         return 2
-    return up(model, args.workers, args.redis_url, args.port, args.batching, args.http_port, args.autoscale,
+    return up(model, args.workers, args.redis_url, args.port, args.http_port, args.autoscale, up_service_args(args),
               tls=args.tls, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_names=args.tls_name)
 
 
@@ -245,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in SERVICES:
         sp = services.add_parser(name, help=f"run the {name}")
         c.add_flags(sp, c.CommonConfig)
-        c.add_flags(sp, _service_config_class(name))
+        c.add_flags(sp, c.SERVICE_CONFIGS[name])
         sp.add_argument("--check", action="store_true", help="validate the configuration and exit")
         sp.set_defaults(func=cmd_serve)
 
@@ -258,8 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
     p.add_argument("--port", type=int, default=50051, help="router gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="router HTTP port (OpenAI-compatible API, /metrics)")
-    p.add_argument("--batching", choices=["continuous", "static", "static-unpadded"], default="continuous",
-                   help="scheduler batching mode (static: the baseline, a batch runs until its longest request ends; see kvmesh serve scheduler --help)")
+    add_up_service_flags(p)
     p.add_argument("--tls", action="store_true",
                    help="mTLS between the services: a private CA and a certificate per service in the state folder")
     p.add_argument("--tls-name", action="append", default=[], metavar="NAME",

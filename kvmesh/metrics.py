@@ -141,5 +141,8 @@ def serve_metrics(host: str, port: int) -> int | None:
         return None
     from prometheus_client import start_http_server
 
-    server, _ = start_http_server(port, addr=host)
+    try:
+        server, _ = start_http_server(port, addr=host)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot serve /metrics on {host}:{port} (--metrics-port): {e.strerror}") from None
     return server.server_port

@@ -323,6 +323,11 @@ def default_model_dir() -> Path:
     return preset_model_dir("small", DEFAULT_MODEL_NAME)
 
 
+def default_model_exists() -> bool:
+    """Whether the default model is already built (its first use will not generate it)."""
+    return (cache_dir() / "models" / DEFAULT_MODEL_NAME / "config.json").is_file()
+
+
 def bench_model_dir() -> Path:
     """The 124.7M-parameter llama the benchmarks run, built on first use and reused after."""
     return preset_model_dir("bench-125m", "bench-125m-v1")

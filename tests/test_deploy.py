@@ -45,6 +45,8 @@ def serve_check(service: str, args: list[str], env: dict[str, str]):
             mp.delenv(key)
         for key, value in env.items():
             mp.setenv(key, str(value))
+        # Model folders are the container's mounts, absent here; everything else is checked as a container would.
+        mp.setattr(config, "check_checkpoint_folder", lambda field, folder: None)
         err = io.StringIO()
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             try:
@@ -53,7 +55,7 @@ def serve_check(service: str, args: list[str], env: dict[str, str]):
                 code = e.code
         assert code == 0, f"kvmesh {shlex.join(command)} --check with {env}: {err.getvalue().strip()}"
         parsed = cli.build_parser().parse_args(command)
-    return config.from_args(config.CommonConfig, parsed), config.from_args(CONFIG_CLASSES[service], parsed)
+        return config.from_args(config.CommonConfig, parsed), config.from_args(CONFIG_CLASSES[service], parsed)
 
 
 def served_ports(cfg) -> tuple[int, int]:

@@ -196,11 +196,13 @@ def test_a_killed_worker_with_no_other_worker_ends_its_streams_with_an_error(mod
 
 
 def test_router_without_workers_is_unavailable(tmp_path, model_dir):
-    from kvmesh.services.launcher import free_port, serve_command, start_redis
+    from kvmesh.services.children import free_port, redis_child, serve_command, wait_ready
     import subprocess
 
     redis_port, port = free_port(), free_port()
-    redis = start_redis(redis_port, str(tmp_path))
+    redis_server = redis_child(redis_port, str(tmp_path))
+    wait_ready([redis_server], {})
+    redis = redis_server.process
     router = subprocess.Popen(serve_command("router", f"redis://127.0.0.1:{redis_port}/0", port, "--model", str(model_dir),
                                             "--http-port", "0", "--no-worker-wait-s", "1"))
     try:

@@ -4,7 +4,11 @@
 it cannot be used here (no C++ compiler, `KVMESH_NATIVE_KERNELS=0`); callers then take the
 portable path. The build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default
 `~/.cache/torch_extensions`), so it costs about ten seconds once per machine and source version;
-`make install` runs it (`python -m kvmesh.kernels.native`).
+`make install` runs it (`python -m kvmesh.kernels.native`). The build folder is named by a hash
+of the source and flags, and a process that finds the library already built loads it directly:
+torch's builder would otherwise take its file lock and run ninja at every process start, and
+rebuild whenever two checkouts (different source paths) alternate, so a restarted worker waited
+on someone else's build.
 
 The instruction set is chosen from what torch itself detected on this CPU (AVX-512, AVX2 or
 neither) and named in the extension, so a cache shared between machines never hands a CPU code
@@ -13,6 +17,7 @@ it cannot run.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -59,19 +64,20 @@ def decode_attention():
     if os.environ.get("KVMESH_NATIVE_KERNELS", "1") == "0":
         return None
     isa = _isa()
+    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[isa]]
     try:
         from torch.utils import cpp_extension
 
-        name = f"kvmesh_attention_{isa}"
-        _clear_stale_lock(Path(cpp_extension.get_default_build_root()) / name)
-        cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+        name = f"kvmesh_attention_{isa}_{digest}"
+        build_dir = Path(cpp_extension.get_default_build_root()) / name
+        built = build_dir / f"{name}.so"
+        if built.is_file():
+            torch.ops.load_library(str(built))
+        else:
+            _clear_stale_lock(build_dir)
+            cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the portable path still works
         log.warning("kvmesh's C++ decode attention is unavailable (%s); using torch's attention per sequence", exc)
         return None

@@ -49,12 +49,30 @@ def from_args(cls: type, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+def known_variables(classes: list[type]) -> set[str]:
+    return {env_name(f.name) for cls in classes for f in dataclasses.fields(cls)} | GLOBAL_VARIABLES
+
+
 def check_environment(classes: list[type]) -> None:
     """Raises ValueError for a KVMESH_* variable that no service setting reads."""
-    known = {env_name(f.name) for cls in classes for f in dataclasses.fields(cls)} | GLOBAL_VARIABLES
+    known = known_variables(classes)
     unknown = sorted(k for k in os.environ if k.startswith("KVMESH_") and k not in known)
     if unknown:
         raise ValueError(f"unknown setting {unknown[0]} (known: {', '.join(sorted(known))})")
+
+
+def service_environment(service: str, env: dict[str, str]) -> dict[str, str]:
+    """`env` without the KVMESH_* variables that `service` does not read: `kvmesh up` runs every
+    service from one environment, where a scheduler setting is not an unknown one for the router."""
+    known = known_variables(service_classes(service))
+    return {k: v for k, v in env.items() if not k.startswith("KVMESH_") or k in known}
+
+
+def check_checkpoint_folder(field_name: str, folder: str) -> None:
+    """ValueError naming the field unless `folder` holds a checkpoint (its config.json)."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        what = "does not exist" if not os.path.exists(folder) else "has no config.json"
+        raise ValueError(f"{field_name}: {folder} is not a checkpoint folder (it {what})")
 
 
 def _help(text: str):
@@ -103,6 +121,8 @@ class WorkerConfig:
     fault_rate: float = dataclasses.field(default=0.0, metadata=_help("TESTING ONLY: fail this fraction of requests (chosen by a hash of the request id) at their first token"))
 
     def __post_init__(self):
+        if self.model:
+            check_checkpoint_folder("model", self.model)
         if not 0.0 <= self.fault_rate <= 1.0:
             raise ValueError(f"fault_rate must be between 0 and 1, got {self.fault_rate}")
         for name in ("pool", "version"):
@@ -207,9 +227,20 @@ class RouterConfig:
 
         check_files({"tls_cert": self.tls_cert, "tls_key": self.tls_key})
 
-        parse_models(self.model, self.model_name)
+        for _, folder in parse_models(self.model, self.model_name):
+            if folder:
+                check_checkpoint_folder("model", folder)
         if self.no_worker_wait_s < 0:
             raise ValueError(f"no_worker_wait_s must be >= 0, got {self.no_worker_wait_s}")
 
     def api_key_set(self) -> frozenset[str]:
         return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+
+SERVICE_CONFIGS = {"router": RouterConfig, "scheduler": SchedulerServiceConfig, "kvcache": KVCacheServiceConfig,
+                   "worker": WorkerConfig}
+
+
+def service_classes(service: str) -> list[type]:
+    """The config classes whose settings `kvmesh serve SERVICE` reads."""
+    return [CommonConfig, SERVICE_CONFIGS[service]]

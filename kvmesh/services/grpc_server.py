@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import socket
@@ -31,10 +32,13 @@ class ServiceServer:
         self.service_names = service_names
         reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         address = f"{host}:{port}"
-        self.port = (self.server.add_secure_port(address, credentials) if credentials
-                     else self.server.add_insecure_port(address))
+        try:
+            self.port = (self.server.add_secure_port(address, credentials) if credentials
+                         else self.server.add_insecure_port(address))
+        except RuntimeError:  # grpc's "Failed to bind"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+            raise OSError(errno.EADDRINUSE, f"cannot serve gRPC on {host}:{port} (--port): the address is in use or not local")
 
     async def start(self) -> None:
         await self.server.start()

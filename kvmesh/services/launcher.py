@@ -1,13 +1,14 @@
 """`kvmesh up`: a whole local mesh as child processes, with its own redis-server unless given one.
 
-Order: Redis, kvcache, scheduler, workers, router; each is waited for (gRPC health SERVING)
-before the summary is printed. Ctrl-C (or SIGTERM) stops every child.
+Order: Redis, then kvcache, scheduler, workers and router together; all are waited for (gRPC
+health SERVING) at once, so the first that fails at start is named within seconds, with its last
+log lines. While the mesh runs, the supervisor restarts whatever dies, on the same ports.
+Ctrl-C (or SIGTERM) stops every child.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,34 +21,17 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.services.children import (Child, ServiceFailed, free_port, redis_child, serve_command, service_child,
+                                      wait_ready, worker_child)
+
 if TYPE_CHECKING:
     from kvmesh.services.tls import MeshCertificates
 
+__all__ = ["Child", "MeshTLS", "ServiceFailed", "free_port", "launch", "serve_command", "stop", "up",
+           "wait_scheduled", "wait_serving"]
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Child:
-    name: str
-    address: str  # gRPC
-    process: subprocess.Popen
-    http: str  # /metrics (and, on the router, the HTTP API)
-    service: str = ""
-    pool: str = ""
-    argv: tuple[str, ...] = ()  # to start it again
-    log_path: str = ""
-    env: dict | None = None
-    retired: bool = False  # stopped on purpose (autoscaling down): not restarted
-
-    def start(self) -> None:
-        """(Re)starts the process with the same command line, appending to the same log."""
-        log = open(self.log_path, "a")
-        self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        log.close()
+# How long each service may take to become ready at start (a worker loads its model).
+READY_TIMEOUTS_S = {"redis": 10, "kvcache": 30, "scheduler": 30, "worker": 300, "router": 120}
 
 
 def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None,
@@ -88,27 +72,33 @@ def wait_scheduled(redis_url: str, workers: int, timeout_s: float) -> None:
     raise TimeoutError(f"the scheduler did not reach all {workers} workers within {timeout_s:.0f}s")
 
 
-def start_redis(port: int, workdir: str, *extra: str) -> subprocess.Popen:
-    """A redis-server on 127.0.0.1:`port`; `extra` arguments come last (--requirepass, TLS settings)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not on PATH: install it (Debian/Ubuntu: apt-get install redis-server; "
-                         "macOS: brew install redis) or pass --redis-url redis://HOST:PORT")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--maxmemory-policy", "noeviction", "--dir", workdir, *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+def check_redis(redis_url: str) -> None:
+    """ServiceFailed naming the URL and the cause when the Redis at `redis_url` does not answer."""
+    import redis
+
+    from kvmesh.services.redis_client import connect, redacted
+
+    client = connect(redis_url, aio=False, socket_connect_timeout=3, socket_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise ServiceFailed(f"redis at {redacted(redis_url)} does not answer: {e}") from None
+    finally:
+        client.close()
+
+
+def check_router_ports(port: int, http_port: int | None) -> None:
+    """ServiceFailed naming the port when a port the user chose for the router is taken: said at
+    once, rather than after the other services started. Bound as the router binds (SO_REUSEADDR)."""
+    for number, what in ((port, "gRPC port (--port)"), (http_port, "HTTP port (--http-port)")):
+        if not number or number < 0:
+            continue
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server did not start on port {port}")
-
-
-def serve_command(service: str, redis_url: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "kvmesh.cli", "serve", service, "--redis-url", redis_url, "--port", str(port), *extra]
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", number))
+            except OSError as e:
+                raise ServiceFailed(f"router cannot start: its {what} 127.0.0.1:{number} is taken ({e.strerror})") from None
 
 
 Pools = list[tuple[str, str | None]]  # (pool name, checkpoint folder or None for the default model)
@@ -116,50 +106,56 @@ Pools = list[tuple[str, str | None]]  # (pool name, checkpoint folder or None fo
 
 def launch(model: "str | None | Pools", workers: int, redis_url: str | None, port: int, extra_worker: list[str] = (),
            extra_scheduler: list[str] = (), log_dir: str | None = None, http_port: int | None = None,
-           extra_router: list[str] = (), env: dict[str, str] | None = None, tls: "MeshTLS | None" = None,
-           ) -> tuple[list[Child], subprocess.Popen | None, str]:
-    """Starts the mesh and waits until it is ready; returns the children, redis and its URL.
+           extra_router: list[str] = (), env: dict[str, str] | None = None,
+           extra_kvcache: list[str] = (), tls: "MeshTLS | None" = None) -> tuple[list[Child], Child | None, str]:
+    """Starts the mesh and waits until it is ready; returns the children, our redis-server (None
+    when `redis_url` names one) and the Redis URL. A service that fails at start raises
+    ServiceFailed naming it, after everything started is stopped.
 
     `model` is one checkpoint folder (None: the default model) served as pool `default`, or a
     list of (pool name, folder): one scheduler and `workers` workers per pool, one router for all.
     Every service gets a free /metrics port; the router's HTTP port is `http_port` (None: a free one).
-    `env` adds variables to the services' environment (OTEL_* settings, for one). `tls` gives every
-    service its mesh certificate (mTLS) and the router's public side its own, if any."""
+    `env` adds variables to the services' environment (OTEL_* settings, for one); each service
+    gets only the KVMESH_* variables it reads. `tls` gives every service its mesh certificate
+    (mTLS) and the router's public side its own, if any."""
     tls = tls or MeshTLS()
-    extra_worker = [*extra_worker, *tls.flags("worker")]
-    extra_scheduler = [*extra_scheduler, *tls.flags("scheduler")]
-    extra_router = [*extra_router, *tls.flags("router")]
+    extra_worker, extra_scheduler = [*extra_worker, *tls.flags("worker")], [*extra_scheduler, *tls.flags("scheduler")]
+    extra_router, extra_kvcache = [*extra_router, *tls.flags("router")], [*extra_kvcache, *tls.flags("kvcache")]
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvmesh-up-")
-    redis_proc = None
-    if redis_url is None:
-        redis_port = free_port()
-        redis_proc = start_redis(redis_port, log_dir)
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
     pools: Pools = model if isinstance(model, list) else [("default", model)]
     single = len(pools) == 1 and pools[0][0] == "default"
+    if not single and any(f is None for _, f in pools):
+        raise ValueError("several pools need a checkpoint folder each (NAME=DIR)")
     env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
     children: list[Child] = []
+    redis = None
+    check_router_ports(port, http_port)
     try:
-        children.append(_spawn("kvcache", "kvcache", "", redis_url, free_port(), tls.flags("kvcache"), log_dir, env))
+        if redis_url is None:
+            redis = redis_child(free_port(), log_dir)
+            redis_url = f"redis://{redis.address}/0"
+            wait_ready([redis], READY_TIMEOUTS_S)
+        else:
+            check_redis(redis_url)
+        children.append(service_child("kvcache", "kvcache", "", redis_url, free_port(), list(extra_kvcache), log_dir, env))
         for name, _ in pools:
-            children.append(_spawn("scheduler" if single else f"scheduler-{name}", "scheduler", name, redis_url,
-                                   free_port(), ["--pool", name, *extra_scheduler], log_dir, env))
+            children.append(service_child("scheduler" if single else f"scheduler-{name}", "scheduler", name, redis_url,
+                                          free_port(), ["--pool", name, *extra_scheduler], log_dir, env))
         for name, folder in pools:
             for i in range(workers):
                 children.append(worker_child(name, i, folder, redis_url, log_dir, env, list(extra_worker), single))
-        router_model = (pools[0][1] or "") if single else ",".join(f"{n}={f}" for n, f in pools if f)
-        if not single and any(f is None for _, f in pools):
-            raise ValueError("several pools need a checkpoint folder each (NAME=DIR)")
-        children.append(_spawn("router", "router", "", redis_url, port, [*(["--model", router_model] if router_model else []),
-                                                                         *extra_router], log_dir, env, http_port))
+        router_model = (pools[0][1] or "") if single else ",".join(f"{n}={f}" for n, f in pools)
+        children.append(service_child("router", "router", "", redis_url, port,
+                                      [*(["--model", router_model] if router_model else []), *extra_router],
+                                      log_dir, env, http_port))
         for child in children:
-            wait_serving(child.address, {"worker": 300, "router": 120}.get(child.service, 30), child.process,
-                         *tls.client(child.service))
+            child.health_credentials = tls.client(child.service)
+        wait_ready(children, READY_TIMEOUTS_S)
         wait_scheduled(redis_url, workers * len(pools), timeout_s=60)
     except BaseException:
-        stop(children, redis_proc)
+        stop(children, redis)
         raise
-    return children, redis_proc, redis_url
+    return children, redis, redis_url
 
 
 @dataclass(frozen=True)
@@ -189,56 +185,69 @@ class MeshTLS:
             with open(self.public_cert, "rb") as f:
                 name = certificate_names(f.read())[0]
             return public_client_credentials(self.public_cert), (("grpc.ssl_target_name_override", name),)
+        if service == "redis":
+            return None, ()
         return (self.certs.identity("client").channel_credentials() if self.certs else None), ()
 
 
-def worker_child(pool: str, index: int, folder: str | None, redis_url: str, log_dir: str, env: dict,
-                 extra: list[str], single: bool) -> Child:
-    """Starts worker `index` of a pool (named worker-N in a one-pool mesh, POOL-worker-N otherwise)."""
-    name = f"worker-{index}" if single else f"{pool}-worker-{index}"
-    flags = [*(["--model", folder] if folder else []), "--pool", pool, "--worker-id", name, *extra]
-    return _spawn(name, "worker", pool, redis_url, free_port(), flags, log_dir, env)
-
-
-def _spawn(name: str, service: str, pool: str, redis_url: str, port: int, extra: list[str], log_dir: str, env: dict,
-           http_port: int | None = None) -> Child:
-    http = (http_port or free_port()) if service == "router" else free_port()
-    http_flag = "--http-port" if service == "router" else "--metrics-port"
-    argv = tuple(serve_command(service, redis_url, port, http_flag, str(http), *extra))
-    child = Child(name, f"127.0.0.1:{port}", None, f"127.0.0.1:{http}", service, pool, argv,
-                  os.path.join(log_dir, f"{name}.log"), env)
-    child.start()
-    return child
-
-
-def stop(children: list[Child], redis_proc: subprocess.Popen | None) -> None:
+def stop(children: list[Child], redis: Child | None = None) -> None:
+    """SIGTERM to every child (the router first), SIGKILL to any still running 10 s later; then redis-server."""
     for child in reversed(children):
         if child.process.poll() is None:
             child.process.send_signal(signal.SIGTERM)
-    for child in children:
+    for child in [*children, *([redis] if redis else [])]:
+        if child is redis:
+            child.process.terminate()
         try:
             child.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             child.process.kill()
-    if redis_proc is not None:
-        redis_proc.terminate()
-        redis_proc.wait(timeout=10)
+            child.process.wait()
 
 
-def up(model: "str | None | Pools", workers: int, redis_url: str | None, port: int, batching: str = "continuous",
-       http_port: int = 8000, autoscale: bool = False, extra_scheduler: list[str] = (), tls: bool = False,
+def ensure_default_model(model: "str | None | Pools") -> None:
+    """Generates the default model before the services start (once per machine), and says so."""
+    from kvmesh.modelgen import default_model_dir, default_model_exists
+
+    folders = [f for _, f in model] if isinstance(model, list) else [model]
+    if None in folders and not default_model_exists():
+        print("generating the default model (first start only)...", flush=True)
+        default_model_dir()
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def up(model: "str | None | Pools", workers: int, redis_url: str | None, port: int, http_port: int = 8000,
+       autoscale: bool = False, service_args: dict[str, list[str]] | None = None, tls: bool = False,
        tls_cert: str = "", tls_key: str = "", tls_names: list[str] = ()) -> int:
-    """`kvmesh up`. `tls`: a private CA and a certificate per service in the state folder, and mTLS on
-    every internal call; `tls_cert`/`tls_key`: TLS on the router's public ports (plaintext without)."""
+    """Runs the mesh until Ctrl-C or SIGTERM (exit code 0), restarting whatever dies. Exit code 1,
+    with a message naming the service, its last log lines and its log, when a service fails at
+    start or keeps failing to start again. `tls`: a private CA and a certificate per service in the
+    state folder, and mTLS on every internal call; `tls_cert`/`tls_key`: TLS on the router's public
+    ports (plaintext without)."""
     from kvmesh.services.redis_client import redacted
+    from kvmesh.services.supervisor import Supervisor
     from kvmesh.services.tls import MeshCertificates
 
-    print("starting the kvmesh mesh (the first start generates the default model)...", flush=True)
+    args = service_args or {}
+    signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: stop every child on the way out
+    ensure_default_model(model)
+    print("starting the kvmesh mesh...", flush=True)
     log_dir = tempfile.mkdtemp(prefix="kvmesh-up-")
     mesh_tls = MeshTLS(MeshCertificates.create(os.path.join(log_dir, "tls"), list(tls_names)) if tls else None,
                        tls_cert, tls_key)
-    children, redis_proc, redis_url = launch(model, workers, redis_url, port, log_dir=log_dir, http_port=http_port,
-                                             extra_scheduler=["--batching", batching, *extra_scheduler], tls=mesh_tls)
+    try:
+        children, redis, redis_url = launch(model, workers, redis_url, port, log_dir=log_dir, http_port=http_port,
+                                            extra_worker=args.get("worker", []), extra_scheduler=args.get("scheduler", []),
+                                            extra_router=args.get("router", []), extra_kvcache=args.get("kvcache", []),
+                                            tls=mesh_tls)
+    except ServiceFailed as e:
+        print(f"kvmesh up: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     print(f"redis      {redacted(redis_url)}")
     for child in children:
         print(f"{child.name:<10} gRPC {child.address}   metrics http://{child.http}/metrics")
@@ -251,26 +260,20 @@ def up(model: "str | None | Pools", workers: int, redis_url: str | None, port: i
     print(f'\nready. try:\n  kvmesh generate --addr 127.0.0.1:{port}{client_tls} --model {first} --max-new-tokens 32 "Once upon a time"\n'
           f'  curl {scheme}://127.0.0.1:{http_port}/v1/completions -H "Content-Type: application/json" '
           f"""-d '{{"model": "{first}", "prompt": "Once upon a time", "max_tokens": 32}}'\n"""
-          "Ctrl-C stops every service.", flush=True)
-    stopping = False
-
-    def on_signal(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    from kvmesh.services.supervisor import Supervisor
-
+          "A service that dies is restarted on the same ports. Ctrl-C stops every service.", flush=True)
     folders = dict(model) if isinstance(model, list) else {"default": model}
-    supervisor = Supervisor(children, redis_url, log_dir, autoscale, extra_worker=mesh_tls.flags("worker"), folders=folders)
+    supervisor = Supervisor(children, redis_url, log_dir, autoscale,
+                            extra_worker=[*args.get("worker", []), *mesh_tls.flags("worker")],
+                            folders=folders, redis=redis, health_credentials=mesh_tls.client("worker"))
+    code = 0
     try:
-        while not stopping:
-            if (fatal := supervisor.poll()) is not None:
-                print(fatal, file=sys.stderr)
-                break
+        while (fatal := supervisor.poll()) is None:
             time.sleep(0.5)
+        print(f"kvmesh up: {fatal}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        pass
     finally:
         supervisor.close()
-        stop(children, redis_proc)
-    return 0
+        stop(children, redis)
+    return code

@@ -29,16 +29,17 @@ def check_redis_url(url: str) -> None:
         raise ValueError(f"redis_url has TLS options but the scheme redis:// (TLS is rediss://): {redacted(url)!r}")
 
 
-def connect(url: str, *, aio: bool = True, decode_responses: bool = True):
-    """A redis client for `url` (asyncio unless `aio=False`); it connects on first use."""
+def connect(url: str, *, aio: bool = True, decode_responses: bool = True, **options):
+    """A redis client for `url` (asyncio unless `aio=False`); it connects on first use. `options`
+    go to redis-py (socket_timeout, for one)."""
     check_redis_url(url)
     if aio:
         import redis.asyncio as aioredis
 
-        return aioredis.from_url(url, decode_responses=decode_responses)
+        return aioredis.from_url(url, decode_responses=decode_responses, **options)
     import redis
 
-    return redis.Redis.from_url(url, decode_responses=decode_responses)
+    return redis.Redis.from_url(url, decode_responses=decode_responses, **options)
 
 
 def redacted(url: str) -> str:

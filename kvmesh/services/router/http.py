@@ -37,6 +37,9 @@ async def start_http(service, host: str, port: int, ssl_context=None) -> tuple[w
     runner = web.AppRunner(build_app(service), access_log=None, handler_cancellation=True)  # a client that leaves cancels at once
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        raise OSError(e.errno, f"cannot serve HTTP on {host}:{port} (--http-port): {e.strerror}") from None
     bound = site._server.sockets[0].getsockname()[1]
     return runner, bound

@@ -297,7 +297,11 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
                            common.host, cfg.port, public_server_credentials(cfg.tls_cert, cfg.tls_key))
     await server.start()
     address = advertised_address(common, server.port)
-    http = await start_http(service, common.host, cfg.http_port, public_ssl_context(cfg.tls_cert, cfg.tls_key))
+    try:
+        http = await start_http(service, common.host, cfg.http_port, public_ssl_context(cfg.tls_cert, cfg.tls_key))
+    except OSError:
+        await server.stop(0)  # before the loop closes: the process exits with the error alone
+        raise
     http_address = advertised_address(common, http[1]) if http else ""
     ready = asyncio.Event()
 

@@ -205,10 +205,15 @@ def load_runner(cfg: WorkerConfig) -> ModelRunner:
         import torch
 
         torch.set_num_threads(cfg.threads)
+    started = time.monotonic()
     model = CausalLM.load(cfg.model or default_model_dir(), cfg.dtype or None)
+    loaded = time.monotonic()
     num_pages = KVPool.pages_for_budget(model, cfg.kv_memory_mib << 20, cfg.page_size)
     runner = ModelRunner(model, num_pages, cfg.page_size)
+    allocated = time.monotonic()
     warm_up(runner)
+    log.info("start-up: weights %.1fs, KV pool %.1fs, warm-up %.1fs", loaded - started, allocated - loaded,
+             time.monotonic() - allocated)
     return runner
 
 
