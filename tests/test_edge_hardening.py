@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as Backend
 
 from kvmesh.params import InvalidRequest
 from kvmesh.services.router.openai_api import MAX_JSON_DEPTH
-from kvmesh.services.router.server import MAX_REQUEST_ID_CHARS
+from kvmesh.services.router.server import MAX_REQUEST_ID_CHARS, MAX_STOP_STRING_CHARS
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
@@ -279,6 +279,15 @@ def test_request_id_is_bounded(mesh):
         async with grpc.aio.insecure_channel(mesh.addr) as channel:
             return [out.request_id async for out in generation_pb2_grpc.GenerationStub(channel).Generate(request)]
     assert set(asyncio.run(at_the_limit())) == {"r" * MAX_REQUEST_ID_CHARS}
+
+
+def test_a_long_stop_string_is_400_naming_the_limit(http):
+    # The matcher's work per token grows with the square of a stop string's length.
+    status, answer = post(f"{http}/v1/completions", completion(stop=["x" * (MAX_STOP_STRING_CHARS + 1)]))
+    assert status == 400 and answer["error"]["param"] == "stop"
+    assert f"over the limit of {MAX_STOP_STRING_CHARS}" in answer["error"]["message"]
+    status, answer = post(f"{http}/v1/completions", completion(stop=["x" * MAX_STOP_STRING_CHARS]))
+    assert status == 200
 
 
 def _grpc_error(mesh, request) -> tuple[grpc.StatusCode, str]:

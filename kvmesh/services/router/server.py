@@ -32,6 +32,8 @@ from kvmesh.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("kvmesh.router")
 MAX_STOP_STRINGS = 16
+# The stop-string matcher's work per token grows with the square of a string's length.
+MAX_STOP_STRING_CHARS = 256
 # Every response message echoes the request id: a long one would multiply what a request costs.
 MAX_REQUEST_ID_CHARS = 128
 
@@ -142,6 +144,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                                                f"{MAX_REQUEST_ID_CHARS}")
         if len(request.stopping.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest("stop", f"has {len(request.stopping.stop)} strings, over the limit of {MAX_STOP_STRINGS}")
+        if (longest := max(map(len, request.stopping.stop), default=0)) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequest("stop", f"holds a string of {longest} characters, over the limit of {MAX_STOP_STRING_CHARS}")
         ids = await self._prompt_ids(pool, request)
         sampling = wire.sampling_from_proto(request.sampling)
         stopping = wire.stopping_from_proto(request.stopping)
