@@ -91,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvmesh serve {args.service}: error: {e}", file=sys.stderr)
         return 2
     if args.check:
-        print(f"{args.service}: configuration ok: {common} {cfg}")
+        print(f"{args.service}: configuration ok: {c.describe(common)} {c.describe(cfg)}")
         return 0
     module = importlib.import_module(f"kvmesh.services.{args.service}.server")
     try:

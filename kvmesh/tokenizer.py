@@ -4,11 +4,17 @@ Reads a Hugging Face model folder with the `tokenizers` library and renders chat
 with jinja2 the way transformers does, so prompts get the same ids as
 `AutoTokenizer.from_pretrained(folder)` without depending on transformers.
 `IncrementalDetokenizer` turns a stream of generated ids into text deltas.
+
+Chat messages are user text inside a prompt the template writes: `encode_chat` lets only the
+template produce control (special) tokens, so a message holding `<|im_end|>` cannot end its turn.
+Encoding releases the GIL (the `tokenizers` batch call), so a caller may run it in a thread
+while other work goes on.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -20,9 +26,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
+from kvmesh.params import InvalidRequest
+
 # The named special tokens transformers reads from tokenizer_config.json and passes to chat
 # templates as variables of the same name.
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# The roles of OpenAI's chat API that chat templates are written for; any other is refused, since
+# templates print the role verbatim and an unknown one would be a turn the model never saw.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class Tokenizer:
@@ -52,6 +63,10 @@ class Tokenizer:
         # Whatever tokenizer.json says about truncation or padding, transformers encodes without either.
         backend.no_truncation()
         backend.no_padding()
+        self._control_tokens = _ControlTokens(backend)
+        # The same tokenizer reading special-token strings as plain text: for user text in chats.
+        self._text_backend = _Backend.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
         self._chat_template = _compile_chat_template(chat_template) if chat_template is not None else None
 
     @classmethod
@@ -84,8 +99,10 @@ class Tokenizer:
         return self._eos_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Ids of `text`; `add_special_tokens` adds what the post-processor adds (usually BOS)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Ids of `text`; `add_special_tokens` adds what the post-processor adds (usually BOS).
+        Special-token strings in `text` become their tokens: the caller writes the whole prompt."""
+        # The batch call releases the GIL (the single one does not), so threads can run meanwhile.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids outside the vocabulary are dropped; broken UTF-8 becomes "\\ufffd"."""
@@ -95,21 +112,31 @@ class Tokenizer:
         """Render `messages` (dicts with "role" and "content") with the model's chat template.
 
         Output equals transformers' `apply_chat_template(messages, tokenize=False, ...)`.
-        Raises ValueError when the folder has no chat template, when `messages` is empty or
-        holds a non-dict, or when the template rejects the conversation (`raise_exception`).
+        Raises InvalidRequest naming `messages[i].role` for a role outside CHAT_ROLES, and
+        ValueError when the folder has no chat template, when `messages` is empty or holds a
+        non-dict, or when the template rejects the conversation (`raise_exception`).
         """
+        return self._render(_checked_chat(messages), add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Ids of the rendered chat (no BOS beyond what the template writes), where control tokens
+        come only from the template: a special-token string inside any message field is encoded
+        as the plain text it is. For messages without such strings the ids are transformers'
+        `apply_chat_template(tokenize=True)`. Raises as `apply_chat_template`.
+        """
+        control = self._control_tokens
+        rendered = self._render([control.escape(m) for m in _checked_chat(messages)], add_generation_prompt)
+        pieces = control.split(rendered)
+        texts = [control.unescape(piece) for piece in pieces if isinstance(piece, str)]
+        encoded = iter(self._text_backend.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
+        return [i for piece in pieces for i in ([piece] if isinstance(piece, int) else next(encoded).ids)]
+
+    def _render(self, chat: list[dict], add_generation_prompt: bool) -> str:
         if self._chat_template is None:
             raise ValueError(
                 "this model has no chat template (no chat_template in tokenizer_config.json and no "
                 "chat_template.jinja); send a plain prompt instead of messages"
             )
-        if not messages:
-            raise ValueError("messages must hold at least one message")
-        for message in messages:
-            if not isinstance(message, dict):
-                raise ValueError(f"each message must be a dict with 'role' and 'content', got {message!r}")
-        # transformers drops None-valued keys: templates test `'key' in message`, not `is none`.
-        chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
         try:
             return self._chat_template.render(
                 messages=chat, tools=None, documents=None,
@@ -117,11 +144,6 @@ class Tokenizer:
             )
         except (jinja2.TemplateError, TypeError) as error:  # TypeError: e.g. content of the wrong type
             raise ValueError(f"chat template rejected the messages: {error}") from error
-
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Ids of the rendered chat. Special tokens come only from the template itself, as in
-        transformers' `apply_chat_template(tokenize=True)`."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     def _special_token_id(self, key: str) -> int | None:
         token = self._special_tokens.get(key)
@@ -174,6 +196,20 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
 
+def _checked_chat(messages: Sequence[dict]) -> list[dict]:
+    """`messages` as templates get them, once every one is a dict with a known role."""
+    if not messages:
+        raise ValueError("messages must hold at least one message")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"each message must be a dict with 'role' and 'content', got {str(message)[:40]!r}")
+        if message.get("role") not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role",
+                                 f"must be one of {', '.join(CHAT_ROLES)}, got {str(message.get('role'))[:40]!r}")
+    # transformers drops None-valued keys: templates test `'key' in message`, not `is none`.
+    return [{key: value for key, value in message.items() if value is not None} for message in messages]
+
+
 def _token_content(token: str | dict) -> str:
     # transformers writes special tokens either as plain strings or as AddedToken dicts.
     return token["content"] if isinstance(token, dict) else token
@@ -186,6 +222,73 @@ def _add_missing_special_tokens(backend: _Backend, tokens: Iterable[str]) -> Non
     missing = [token for token in dict.fromkeys(tokens) if token not in known]
     if missing:
         backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in missing])
+
+
+class _ControlTokens:
+    """The tokenizer's special added tokens in chat rendering.
+
+    User text is escaped before the template sees it, so the rendered chat holds the template's
+    own special tokens only; `split` finds those the way the `tokenizers` library does (leftmost,
+    longest, honouring lstrip/rstrip/single_word), and `unescape` gives user text back as text.
+    An escape is ESCAPE, the token's index (none for a literal ESCAPE), END: private-use
+    characters, which templates pass through unchanged.
+    """
+
+    ESCAPE, END = "\ue000", "\ue001"
+
+    def __init__(self, backend: _Backend):
+        added = sorted(((i, t) for i, t in backend.get_added_tokens_decoder().items() if t.special),
+                       key=lambda item: -len(item[1].content))
+        self._tokens = [t.content for _, t in added]
+        self._index = {token: str(k) for k, token in enumerate(self._tokens)}
+        self._ids = [i for i, _ in added]
+        literal = "|".join(re.escape(t) for t in [self.ESCAPE, *self._tokens])
+        self._in_user_text = re.compile(literal)
+        self._in_template = re.compile("|".join(f"({_match_pattern(t)})" for _, t in added)) if added else None
+        self._escaped = re.compile(f"{self.ESCAPE}([0-9]*){self.END}")
+
+    def escape(self, message):
+        """`message` with every string in it (nested ones too) escaped; other values as they are."""
+        if isinstance(message, str):
+            return self._in_user_text.sub(self._escape, message)
+        if isinstance(message, dict):
+            return {key: self.escape(value) for key, value in message.items()}
+        if isinstance(message, (list, tuple)):
+            return [self.escape(value) for value in message]
+        return message
+
+    def split(self, rendered: str) -> list[str | int]:
+        """`rendered` as text pieces and the ids of the special tokens between them."""
+        if self._in_template is None:
+            return [rendered] if rendered else []
+        pieces, start = [], 0
+        for match in self._in_template.finditer(rendered):
+            if match.start() > start:
+                pieces.append(rendered[start:match.start()])
+            pieces.append(self._ids[match.lastindex - 1])
+            start = match.end()
+        if start < len(rendered):
+            pieces.append(rendered[start:])
+        return pieces
+
+    def unescape(self, text: str) -> str:
+        return self._escaped.sub(self._unescape, text)
+
+    def _escape(self, match: re.Match) -> str:
+        return self.ESCAPE + self._index.get(match.group(), "") + self.END
+
+    def _unescape(self, match: re.Match) -> str:
+        index = match.group(1)
+        return self._tokens[int(index)] if index else self.ESCAPE
+
+
+def _match_pattern(token: AddedToken) -> str:
+    # As the `tokenizers` library matches an added token: lstrip/rstrip take the whitespace beside
+    # it, single_word wants no word character beside it.
+    pattern = re.escape(token.content)
+    if token.single_word:
+        pattern = rf"(?<!\w){pattern}(?!\w)"
+    return (r"\s*" if token.lstrip else "") + pattern + (r"\s*" if token.rstrip else "")
 
 
 def _find_chat_template(model_dir: Path, config: dict) -> str | None:

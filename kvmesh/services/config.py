@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 # Variables read outside service configs (the model cache folder).
@@ -42,7 +43,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                 parser.error(f"{env_name(f.name)}={env!r}: {e}")
         help_text = f.metadata.get("help", "")
         parser.add_argument("--" + f.name.replace("_", "-"), type=parse, default=default,
-                            help=f"{help_text} (env {env_name(f.name)}; default {default!r})")
+                            help=f"{help_text} (env {env_name(f.name)}; default {_shown(f, default)!r})")
 
 
 def from_args(cls: type, args: argparse.Namespace):
@@ -75,8 +76,24 @@ def check_checkpoint_folder(field_name: str, folder: str) -> None:
         raise ValueError(f"{field_name}: {folder} is not a checkpoint folder (it {what})")
 
 
-def _help(text: str):
-    return {"help": text}
+def _help(text: str, secret: bool = False):
+    # A secret setting is masked wherever a configuration is shown (`describe`).
+    return {"help": text, "secret": secret}
+
+
+def describe(cfg) -> str:
+    """`cfg` as its dataclass repr, but with secrets masked: a secret setting shows as '****'
+    and a password inside a URL (redis://user:PASSWORD@host) as ****. For --check and logs."""
+    shown = ", ".join(f"{f.name}={_shown(f, getattr(cfg, f.name))!r}" for f in dataclasses.fields(cfg))
+    return f"{type(cfg).__name__}({shown})"
+
+
+def _shown(f: dataclasses.Field, value):
+    if f.metadata.get("secret") and value:
+        return "****"
+    if isinstance(value, str):
+        return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1****@", value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -217,9 +234,11 @@ class RouterConfig:
     model_name: str = dataclasses.field(default="default", metadata=_help("the pool name clients use in GenerateRequest.model when --model is a plain DIR"))
     no_worker_wait_s: float = dataclasses.field(default=5.0, metadata=_help("a request for a pool with no ready worker waits this long, then UNAVAILABLE"))
     http_port: int = dataclasses.field(default=8000, metadata=_help("HTTP port: OpenAI-compatible API, /health, /ready, /metrics (0: pick a free one; -1: off)"))
-    api_keys: str = dataclasses.field(default="", metadata=_help("comma-separated API keys; when set, callers must send `authorization: Bearer KEY` (HTTP header or gRPC metadata)"))
+    api_keys: str = dataclasses.field(default="", repr=False, metadata=_help("comma-separated API keys; when set, callers must send `authorization: Bearer KEY` (HTTP header or gRPC metadata)", secret=True))
     tls_cert: str = dataclasses.field(default="", metadata=_help("TLS on the public ports (gRPC and HTTP): the server certificate chain (PEM), with --tls-key (default: plaintext; the mesh's own mTLS is --mesh-*)"))
     tls_key: str = dataclasses.field(default="", metadata=_help("TLS on the public ports: the private key of --tls-cert (PEM)"))
+    max_request_bytes: int = dataclasses.field(default=8 << 20, metadata=_help("largest request body (HTTP, then 413) or message (gRPC, then RESOURCE_EXHAUSTED)"))
+    max_prompt_chars: int = dataclasses.field(default=1 << 20, metadata=_help("longest prompt text, all chat messages together, in characters; checked before tokenizing (400 above it)"))
 
     def __post_init__(self):
         from kvmesh.services.router.pools import parse_models
@@ -232,6 +251,9 @@ class RouterConfig:
                 check_checkpoint_folder("model", folder)
         if self.no_worker_wait_s < 0:
             raise ValueError(f"no_worker_wait_s must be >= 0, got {self.no_worker_wait_s}")
+        if self.max_request_bytes < 1024 or self.max_prompt_chars < 1:
+            raise ValueError(f"max_request_bytes must be >= 1024 and max_prompt_chars >= 1, "
+                             f"got {self.max_request_bytes} and {self.max_prompt_chars}")
 
     def api_key_set(self) -> frozenset[str]:
         return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())

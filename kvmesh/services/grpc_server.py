@@ -1,15 +1,19 @@
-"""What every service's gRPC server has: grpc.health.v1 (NOT_SERVING until ready) and reflection."""
+"""What every service's gRPC server has: grpc.health.v1 (NOT_SERVING until ready), reflection,
+and INVALID_ARGUMENT (not UNKNOWN) for a request whose bytes are not the method's message."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
 import os
 import signal
 import socket
+from contextlib import aclosing
 from typing import Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -21,11 +25,15 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class ServiceServer:
     """A grpc.aio server with health and reflection; `port` is the bound port (0 picks one).
-    With `credentials` it listens with TLS (kvmesh.services.tls: mTLS inside the mesh), else plaintext."""
+    With `credentials` it listens with TLS (kvmesh.services.tls: mTLS inside the mesh), else plaintext.
+    A message over `max_message_bytes` (default gRPC's 4 MiB) is refused with RESOURCE_EXHAUSTED."""
 
     def __init__(self, service_names: list[str], add_servicers: Callable[[grpc.aio.Server], None], host: str, port: int,
-                 credentials: grpc.ServerCredentials | None = None):
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+                 credentials: grpc.ServerCredentials | None = None, max_message_bytes: int | None = None):
+        options = [("grpc.so_reuseport", 0)]
+        if max_message_bytes is not None:
+            options.append(("grpc.max_receive_message_length", max_message_bytes))
+        self.server = grpc.aio.server(options=options, interceptors=[UndecodableIsInvalidArgument()])
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -52,6 +60,77 @@ class ServiceServer:
     async def stop(self, grace: float = 2.0) -> None:
         await self.set_serving(False)
         await self.server.stop(grace)
+
+
+class _Undecodable:
+    """What a method's deserializer gives for bytes that do not parse, for the handler to refuse."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    async def refuse(self, context) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not decode: {self.error}")
+
+
+class UndecodableIsInvalidArgument(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT for a request message that does not decode (grpc.aio would answer
+    UNKNOWN): the deserializer hands such bytes on as `_Undecodable` and the handler refuses them
+    before the servicer sees them; a stream's bad message ends the stream the same way."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def lenient(raw: bytes):
+            try:
+                return parse(raw)
+            except DecodeError as e:
+                return _Undecodable(e)
+
+        kind = ("stream_" if handler.request_streaming else "unary_") + ("stream" if handler.response_streaming else "unary")
+        behavior = getattr(handler, kind)
+        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+            return handler  # a synchronous servicer: left as grpc runs it
+        checked = _checked_stream(behavior) if handler.request_streaming else _checked_unary(behavior)
+        return handler._replace(request_deserializer=lenient, **{kind: checked})
+
+
+def _checked_unary(behavior):
+    if inspect.isasyncgenfunction(behavior):
+        async def relay(request, context):
+            if isinstance(request, _Undecodable):
+                await request.refuse(context)
+            async with aclosing(behavior(request, context)) as responses:  # closed at once when the client leaves
+                async for response in responses:
+                    yield response
+        return relay
+
+    async def call(request, context):
+        if isinstance(request, _Undecodable):
+            await request.refuse(context)
+        return await behavior(request, context)
+    return call
+
+
+def _checked_stream(behavior):
+    async def checked(requests, context):
+        async for request in requests:
+            if isinstance(request, _Undecodable):
+                await request.refuse(context)
+            yield request
+
+    if inspect.isasyncgenfunction(behavior):
+        async def relay(requests, context):
+            async with aclosing(behavior(checked(requests, context), context)) as responses:
+                async for response in responses:
+                    yield response
+        return relay
+
+    async def call(requests, context):
+        return await behavior(checked(requests, context), context)
+    return call
 
 
 async def wait_for_termination(stop: Callable[[], "asyncio.Future | None"]) -> None:

@@ -10,7 +10,7 @@ from kvmesh.services.router import openai_api
 
 
 def build_app(service) -> web.Application:
-    app = web.Application(client_max_size=16 << 20)
+    app = web.Application(client_max_size=service.cfg.max_request_bytes)
 
     async def health(_request):
         return web.json_response({"status": "alive"})

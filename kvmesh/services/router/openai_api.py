@@ -11,7 +11,11 @@ Answers have OpenAI's shapes; with `"stream": true` they are server-sent events 
 ending in `data: [DONE]`, plus a usage chunk with empty choices when
 `stream_options.include_usage` is set. Errors have OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: 400 bad input (`param` names the field), 401
-missing or wrong API key, 404 unknown model, 429 queue full (with Retry-After), 503 nothing ready.
+missing or wrong API key, 404 unknown model, 413 a body over max_request_bytes, 415 a body that is
+not `Content-Type: application/json` (so a browser page cannot post one cross-site as a form or
+text/plain), 429 queue full (with Retry-After), 503 nothing ready. JSON nested deeper than
+MAX_JSON_DEPTH is a 400, as is a prompt over max_prompt_chars (checked before tokenizing, which
+runs off the event loop).
 An error after a stream has started is one `data: {"error": ...}` event, then `[DONE]`. A traced
 request's trace id comes back as the `kvmesh-trace-id` header. A client that leaves cancels its
 request upstream at once (the app runs with aiohttp's handler cancellation), which frees its KV pages.
@@ -30,10 +34,14 @@ import grpc
 from aiohttp import web
 
 from kvmesh import telemetry
+from kvmesh.params import InvalidRequest
 from kvmesh.services.router.server import RouterError
 from kvmesh.v1 import generation_pb2 as gen
 
 UINT32_MAX = 2**32 - 1
+# OpenAI bodies nest a few levels (messages -> content parts -> fields); far deeper is an attack
+# on whatever walks the value (json.dumps of it in an error message would hit the recursion limit).
+MAX_JSON_DEPTH = 32
 
 # gRPC status -> (HTTP status, OpenAI error type, OpenAI error code); anything else is a 500.
 _HTTP_STATUS = {
@@ -264,12 +272,14 @@ class OpenAIApi:
             if (refused := self._unauthorized(http)) is not None:
                 refused.headers.update(headers)
                 return refused
-            call = translate(_Fields(await _json_object(http)))
+            call = await translate(_Fields(await _json_object(http, self.service.cfg.max_request_bytes)))
             return await self._run(http, shape, call, span, headers)
         except ApiError as e:
             return e.response(headers)
         except RouterError as e:  # an unknown model while translating a chat request
             return api_error(e, {}).response(headers)
+        except InvalidRequest as e:  # a chat message the tokenizer refuses (a role, the size)
+            return ApiError(400, str(e), param=e.field).response(headers)
         finally:
             span.end()
 
@@ -342,7 +352,7 @@ class OpenAIApi:
                 return
             out = await anext(stream, None)
 
-    def _completion_call(self, f: _Fields) -> _Call:
+    async def _completion_call(self, f: _Fields) -> _Call:
         _reject_unsupported(f)
         if f.integer("best_of") not in (None, 1):
             raise bad_request("best_of", "only 1 is supported")
@@ -354,19 +364,29 @@ class OpenAIApi:
         _set_prompt(f, request)
         return _call(f, request, logprobs is not None, {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"})
 
-    def _chat_call(self, f: _Fields) -> _Call:
+    async def _chat_call(self, f: _Fields) -> _Call:
         _reject_unsupported(f)
         logprobs = f.flag("logprobs")
         if (top := f.integer("top_logprobs")) not in (None, 0):
             raise bad_request("top_logprobs", f"only 0 is supported (alternatives are not computed), got {top}")
         pool = self.service.pool_for(f.body.get("model") if isinstance(f.body.get("model"), str) else "")
-        ids = _chat_prompt_ids(pool.tokenizer, f)
+        ids = await self._chat_prompt_ids(pool, f)
         max_name = "max_completion_tokens" if f.body.get("max_completion_tokens") is not None else "max_tokens"
         rest_of_context = max(1, pool.model.max_position_embeddings - len(ids))
         request = _generate_request(f, max_name, default_max=rest_of_context)
         request.prompt_token_ids.ids.extend(ids)
         renames = {"max_new_tokens": max_name, "prompt": "messages", "prompt_token_ids": "messages"}
         return _call(f, request, logprobs, renames)
+
+    async def _chat_prompt_ids(self, pool, f: _Fields) -> list[int]:
+        messages = f.get("messages", (list,), "a list of messages", required=True)
+        chat = [_chat_message(i, m) for i, m in enumerate(messages)]
+        try:
+            return await self.service.tokenize_chat(pool, chat)
+        except InvalidRequest:
+            raise
+        except ValueError as e:
+            raise bad_request("messages", str(e)) from None
 
 
 def _reject_unsupported(f: _Fields) -> None:
@@ -434,15 +454,6 @@ def _set_prompt(f: _Fields, request: gen.GenerateRequest) -> None:
     request.prompt_token_ids.ids.extend(prompt)
 
 
-def _chat_prompt_ids(tokenizer, f: _Fields) -> list[int]:
-    messages = f.get("messages", (list,), "a list of messages", required=True)
-    chat = [_chat_message(i, m) for i, m in enumerate(messages)]
-    try:
-        return tokenizer.encode_chat(chat)
-    except ValueError as e:
-        raise bad_request("messages", str(e)) from None
-
-
 def _chat_message(i: int, message) -> dict:
     where = f"messages[{i}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -467,14 +478,52 @@ def _call(f: _Fields, request: gen.GenerateRequest, logprobs: bool, renames: dic
     return _Call(request, stream, stream and include_usage, logprobs, renames)
 
 
-async def _json_object(http: web.Request) -> dict:
+async def _json_object(http: web.Request, limit: int) -> dict:
+    """The body as a JSON object: 415 unless it says it is JSON, 413 over `limit` bytes (the app's
+    client_max_size), 400 if it does not parse or nests deeper than MAX_JSON_DEPTH."""
+    if http.content_type != "application/json":
+        raise ApiError(415, f"the body must be JSON, sent with `Content-Type: application/json` "
+                            f"(got {http.headers.get('Content-Type', 'none')[:60]!r})")
+    if http.content_length is not None and http.content_length > limit:  # refused before it is read
+        raise _too_large(http.content_length, limit)
     try:
-        body = await http.json()
+        body = json.loads(await http.read())
+    except web.HTTPRequestEntityTooLarge as e:
+        raise _too_large(e.actual_size, limit) from None
+    except RecursionError:
+        raise _too_deep() from None
     except ValueError:  # also UnicodeDecodeError
         raise ApiError(400, "the body is not valid JSON") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
+    if _nests_deeper(body, MAX_JSON_DEPTH):
+        raise _too_deep()
     return body
+
+
+def _too_large(size: int | None, limit: int) -> ApiError:
+    got = f"{size} bytes" if size is not None else "more"
+    return ApiError(413, f"the body has {got}, over the router's limit of {limit} bytes (max_request_bytes)")
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep")
+
+
+def _nests_deeper(value, depth: int) -> bool:
+    """Whether `value` (parsed JSON) has containers more than `depth` levels deep. Iterates only
+    over containers that hold containers, so a long flat list (a prompt of ids) costs one pass in C."""
+    level = [value]
+    for _ in range(depth):
+        inner = []
+        for container in level:
+            items = container.values() if isinstance(container, dict) else container
+            if {list, dict} & set(map(type, items)):
+                inner.extend(v for v in items if isinstance(v, (list, dict)))
+        if not inner:
+            return False
+        level = inner
+    return True
 
 
 def _finish_reason(finish: gen.Finish | None) -> str:

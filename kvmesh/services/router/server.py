@@ -33,6 +33,10 @@ from kvmesh.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("kvmesh.router")
 MAX_STOP_STRINGS = 16
+# The stop-string matcher's work per token grows with the square of a string's length.
+MAX_STOP_STRING_CHARS = 256
+# Every response message echoes the request id: a long one would multiply what a request costs.
+MAX_REQUEST_ID_CHARS = 128
 
 
 class RouterError(Exception):
@@ -44,9 +48,10 @@ class RouterError(Exception):
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
-    """Generate, ListModels, Tokenize. Errors: INVALID_ARGUMENT naming the field and the limit,
-    NOT_FOUND for an unknown model, UNAVAILABLE while no scheduler or worker is ready; a
-    scheduler's error status is passed on as it came."""
+    """Generate, ListModels, Tokenize. Errors: INVALID_ARGUMENT naming the field and the limit
+    (also for a message that does not decode), RESOURCE_EXHAUSTED for a message over
+    max_request_bytes, NOT_FOUND for an unknown model, UNAVAILABLE while no scheduler or worker
+    is ready; a scheduler's error status is passed on as it came."""
 
     def __init__(self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics | None = None,
                  identity: MeshIdentity | None = None):
@@ -111,20 +116,45 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"model {pool.name!r} has no ready worker (waited {wait:.1f}s)")
             await asyncio.sleep(0.1)
 
-    @staticmethod
-    def _prompt_ids(pool: Pool, request) -> list[int]:
+    async def tokenize(self, pool: Pool, text: str, field: str = "prompt") -> list[int]:
+        """Ids of `text` (special-token strings become their tokens: the caller wrote the whole
+        prompt). InvalidRequest naming `field` when `text` is over max_prompt_chars, checked first;
+        the tokenizing itself runs in a thread, so other streams go on meanwhile."""
+        self._check_prompt_chars(len(text), field)
+        return await asyncio.to_thread(pool.tokenizer.encode, text) if text else []
+
+    async def tokenize_chat(self, pool: Pool, messages: list[dict]) -> list[int]:
+        """Ids of `messages` through the pool's chat template, user text kept from becoming control
+        tokens (`Tokenizer.encode_chat`). Raises as `tokenize`, for `messages` (all their top-level
+        strings together), and as `encode_chat` (InvalidRequest, ValueError)."""
+        self._check_prompt_chars(sum(len(v) for m in messages if isinstance(m, dict) for v in m.values()
+                                     if isinstance(v, str)), "messages")
+        return await asyncio.to_thread(pool.tokenizer.encode_chat, messages)
+
+    def _check_prompt_chars(self, chars: int, field: str) -> None:
+        if chars > self.cfg.max_prompt_chars:
+            raise InvalidRequest(field, f"has {chars} characters, over the router's limit of "
+                                        f"{self.cfg.max_prompt_chars} (max_prompt_chars)")
+
+    async def _prompt_ids(self, pool: Pool, request) -> list[int]:
         if request.WhichOneof("input") == "prompt_token_ids":
             return list(request.prompt_token_ids.ids)
-        return pool.tokenizer.encode(request.prompt) if request.prompt else []
+        return await self.tokenize(pool, request.prompt)
 
-    def _validated(self, pool: Pool, request) -> scheduler_pb2.SubmitRequest:
-        ids = self._prompt_ids(pool, request)
+    async def _validated(self, pool: Pool, request) -> scheduler_pb2.SubmitRequest:
+        # The cheap checks first: nothing is tokenized for a request refused anyway.
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequest("request_id", f"has {len(request.request_id)} characters, over the limit of "
+                                               f"{MAX_REQUEST_ID_CHARS}")
+        if len(request.stopping.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest("stop", f"has {len(request.stopping.stop)} strings, over the limit of {MAX_STOP_STRINGS}")
+        if (longest := max(map(len, request.stopping.stop), default=0)) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequest("stop", f"holds a string of {longest} characters, over the limit of {MAX_STOP_STRING_CHARS}")
+        ids = await self._prompt_ids(pool, request)
         sampling = wire.sampling_from_proto(request.sampling)
         stopping = wire.stopping_from_proto(request.stopping)
         validate_request(ids, sampling, stopping, max_context=pool.model.max_position_embeddings,
                          vocab_size=pool.model.vocab_size)
-        if len(request.stopping.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest("stop", f"has {len(request.stopping.stop)} strings, over the limit of {MAX_STOP_STRINGS}")
         submit = scheduler_pb2.SubmitRequest(
             request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
             sampling=request.sampling, stopping=wire.stopping_to_proto(stopping), priority=request.priority)
@@ -170,7 +200,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     async def _generate(self, request, timeout, span, started):
         pool = self.pool_for(request.model)
         try:
-            submit = self._validated(pool, request)
+            submit = await self._validated(pool, request)
         except InvalidRequest as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field) from None
         if not pool.ready:
@@ -278,12 +308,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 for p in self.pools.values() if p.ready]
 
     async def Tokenize(self, request, context):
+        """The ids the router would give `text` as a prompt; INVALID_ARGUMENT over max_prompt_chars."""
         await self._authorized(context)
         try:
             pool = self.pool_for(request.model)
+            return gen.TokenizeResponse(ids=await self.tokenize(pool, request.text, "text"))
         except RouterError as e:
             await context.abort(e.code, e.message)
-        return gen.TokenizeResponse(ids=pool.tokenizer.encode(request.text))
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
 async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
@@ -294,7 +327,8 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
     service = RouterService(cfg, registry, identity=mesh_identity(common))
     # The public ports: TLS only with a certificate of their own (the mesh's mTLS is for internal calls).
     server = ServiceServer(["kvmesh.v1.Generation"], lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s),
-                           common.host, cfg.port, public_server_credentials(cfg.tls_cert, cfg.tls_key))
+                           common.host, cfg.port, public_server_credentials(cfg.tls_cert, cfg.tls_key),
+                           max_message_bytes=cfg.max_request_bytes)
     await server.start()
     address = advertised_address(common, server.port)
     try:
