@@ -119,3 +119,27 @@ def test_a_sequence_scheduled_twice_in_one_step_fails_and_the_step_goes_on(hf_ch
     assert result.failed == {"twice": "scheduled twice in one step"}
     assert [t.seq_id for t in result.tokens] == ["good"]
     assert torch.isfinite(torch.tensor([t.logprob for t in result.tokens])).all()
+
+
+def test_the_engine_ends_a_sequence_that_failed_alone_with_an_error_and_returns_its_pages(hf_checkpoint):
+    from kvmesh.engine import EngineConfig, LLMEngine
+    from kvmesh.params import StoppingParams
+    from kvmesh.services.scheduler.request import FinishReason
+
+    model_dir = hf_checkpoint("llama")
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=32))
+    engine.model.embed[7] = float("nan")
+    good = prompt(8, avoid=7)
+    reference = hf_greedy(model_dir, good, STEPS)
+    assert 7 not in reference.token_ids
+    stop = StoppingParams(max_new_tokens=STEPS, ignore_eos=True)
+    ok = engine.add_request(good, GREEDY, stop)
+    bad = engine.add_request(prompt(9)[:5] + [7] + prompt(9)[5:], GREEDY, stop)
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    [failure] = [e for e in events if e.request is bad]
+    assert bad.finish_reason is FinishReason.ERROR and "not finite" in failure.message and bad.output_token_ids == []
+    assert ok.finish_reason is FinishReason.LENGTH
+    assert assert_matches_reference(ok.output_token_ids, ok.output_logprobs, reference) >= 4
+    assert engine.page_stats().used == 0
