@@ -107,7 +107,12 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         plan = self.scheduler.schedule()
         result = self.runner.step(plan)
-        return self.scheduler.update(plan, result)
+        events = self.scheduler.update(plan, result)
+        for seq_id, why in result.failed.items():  # failed alone in the runner: ends with ERROR
+            if (event := self.scheduler.abort(seq_id, FinishReason.ERROR)) is not None:
+                event.message = why
+                events.append(event)
+        return events
 
     def page_stats(self) -> PageStats:
         return self.pool.stats()

@@ -1,7 +1,9 @@
 """What a request asks for (sampling and stopping), and the one place its input is validated.
 
-Every entry point (offline CLI, engine, router) calls `validate_request`; each rule has its own
-message naming the field and the limit, so a user can fix the request from the error alone.
+Every entry point (offline CLI, engine, router) calls `validate_request`, and the services behind
+the router check again what they are sent (the scheduler the whole request, the worker each new
+sequence's sampling): each rule has its own message naming the field and the limit, so a user
+can fix the request from the error alone.
 """
 
 from __future__ import annotations
@@ -10,6 +12,16 @@ from dataclasses import dataclass, field
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
+
+# Limits that keep every sampled distribution finite (raw float32 logits divided by a temperature
+# of at least 1e-5 and a repetition penalty of at least 0.01 stay far below float32's 3.4e38) and
+# every request's per-token work small. vLLM bounds repetition_penalty by (0, 2]; the floor is
+# ours: 1e-45 passed "> 0" and made the sampler meet inf and NaN.
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
+MAX_STOP_TOKEN_IDS = 64  # every generated token is checked against them
+MAX_REQUEST_ID_CHARS = 128
 
 
 class InvalidRequest(ValueError):
@@ -75,21 +87,32 @@ def validate_request(
             "max_new_tokens",
             f"prompt ({n} tokens) plus max_new_tokens ({stopping.max_new_tokens}) is over the model's context of {max_context}",
         )
+    if len(stopping.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest("stop_token_ids", f"has {len(stopping.stop_token_ids)} ids, over the limit of {MAX_STOP_TOKEN_IDS}")
     bad_stop = next((t for t in stopping.stop_token_ids if not 0 <= t < vocab_size), None)
     if bad_stop is not None:
         raise InvalidRequest("stop_token_ids", f"token id {bad_stop} is outside the vocabulary [0, {vocab_size})")
-    _validate_sampling(sampling)
+    validate_sampling(sampling)
 
 
-def _validate_sampling(s: SamplingParams) -> None:
-    if not s.temperature >= 0.0:  # also rejects NaN
-        raise InvalidRequest("temperature", f"must be >= 0 (0 is greedy), got {s.temperature}")
+def validate_request_id(request_id: str) -> None:
+    """Raises InvalidRequest for a request_id over MAX_REQUEST_ID_CHARS (it is echoed in every response)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest("request_id", f"has {len(request_id)} characters, over the limit of {MAX_REQUEST_ID_CHARS}")
+
+
+def validate_sampling(s: SamplingParams) -> None:
+    """Raises InvalidRequest for the first sampling value outside its limit (NaN is outside every
+    limit). Values that pass keep the sampler's probabilities finite."""
+    if not 0.0 <= s.temperature <= MAX_TEMPERATURE:
+        raise InvalidRequest("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {s.temperature}")
     if not 0.0 < s.top_p <= 1.0:
         raise InvalidRequest("top_p", f"must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise InvalidRequest("top_k", f"must be >= 0 (0 disables it), got {s.top_k}")
-    if not s.repetition_penalty > 0.0:
-        raise InvalidRequest("repetition_penalty", f"must be > 0 (1 disables it), got {s.repetition_penalty}")
+    if not MIN_REPETITION_PENALTY <= s.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise InvalidRequest("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                                                   f"(1 disables it), got {s.repetition_penalty}")
     if not -2.0 <= s.presence_penalty <= 2.0:
         raise InvalidRequest("presence_penalty", f"must be in [-2, 2], got {s.presence_penalty}")
     if not -2.0 <= s.frequency_penalty <= 2.0:

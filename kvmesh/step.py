@@ -62,4 +62,4 @@ class SampledToken:
 class StepResult:
     tokens: list[SampledToken]
     forward_s: float = 0.0
-    failed: list[str] = field(default_factory=list)  # sequences that failed alone; no token for them
+    failed: dict[str, str] = field(default_factory=dict)  # seq id -> why, for sequences that failed alone (no token)

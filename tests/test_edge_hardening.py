@@ -16,7 +16,8 @@ from tokenizers import Tokenizer as Backend
 
 from kvmesh.params import InvalidRequest
 from kvmesh.services.router.openai_api import MAX_JSON_DEPTH
-from kvmesh.services.router.server import MAX_REQUEST_ID_CHARS, MAX_STOP_STRING_CHARS
+from kvmesh.params import MAX_REQUEST_ID_CHARS
+from kvmesh.services.router.server import MAX_STOP_STRING_CHARS
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc

@@ -67,7 +67,7 @@ def test_greedy_with_repetition_penalty_picks_the_argmax_of_the_transformers_pro
     logits = random_logits(6, seed=1)
     prompts = [[int(logits[i].argmax()), i, i + 9] for i in range(6)]  # each prompt repeats its favourite
     rows = [SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=1.8), prompts[i], []) for i in range(6)]
-    chosen, _ = sample(logits, rows)
+    chosen, _, _ = sample(logits, rows)
     for i, prompt in enumerate(prompts):
         processed = RepetitionPenaltyLogitsProcessor(1.8)(torch.tensor([prompt]), logits[i : i + 1].clone())[0]
         assert chosen[i] == int(processed.argmax())
@@ -140,7 +140,7 @@ def test_top_k_then_top_p_keeps_the_tokens_transformers_keeps(top_k, top_p):
 
 def test_greedy_picks_the_argmax_and_reports_its_raw_logprob():
     logits = random_logits(5, seed=8)
-    chosen, logprobs = sample(logits, [row(temperature=0.0) for _ in range(5)])
+    chosen, logprobs, _ = sample(logits, [row(temperature=0.0) for _ in range(5)])
     assert chosen == logits.argmax(dim=-1).tolist()
     raw = torch.log_softmax(logits, dim=-1)
     assert logprobs == pytest.approx([float(raw[i, t]) for i, t in enumerate(chosen)], abs=1e-6)
@@ -154,7 +154,7 @@ def test_the_reported_logprob_is_the_raw_one_even_with_penalties_and_temperature
         row(4, temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0),
         row(11, temperature=0.5, top_k=4, seed=3),
     ]
-    chosen, logprobs = sample(logits, rows)
+    chosen, logprobs, _ = sample(logits, rows)
     raw = torch.log_softmax(logits, dim=-1)
     assert chosen[0] != favourite
     assert logprobs == pytest.approx([float(raw[i, t]) for i, t in enumerate(chosen)], abs=1e-6)
@@ -167,13 +167,13 @@ def test_a_temperature_near_zero_behaves_like_greedy(temperature):
     spaced = torch.linspace(-3, 3, 32)  # top two always 0.19 apart
     gen = torch.Generator().manual_seed(10)
     logits = torch.stack([spaced[torch.randperm(32, generator=gen)] for _ in range(40)])
-    chosen, _ = sample(logits, [row(i, temperature=temperature, seed=i) for i in range(40)])
+    chosen, _, _ = sample(logits, [row(i, temperature=temperature, seed=i) for i in range(40)])
     assert chosen == logits.argmax(dim=-1).tolist()
 
 
 def test_a_temperature_too_small_for_float32_still_picks_the_argmax_instead_of_raising():
     logits = torch.tensor([[3.0, 1.0, -2.0, 0.5]])
-    chosen, _ = sample(logits, [row(temperature=1e-40, seed=1)])
+    chosen, _, _ = sample(logits, [row(temperature=1e-40, seed=1)])
     assert chosen == [0]
 
 
@@ -181,7 +181,7 @@ def test_a_temperature_too_small_for_float32_still_picks_the_argmax_instead_of_r
 def test_keeping_a_single_token_is_greedy_at_any_temperature(top_k, top_p):
     logits = random_logits(16, seed=11)
     rows = [row(i, temperature=1.5, top_k=top_k, top_p=top_p, seed=100 + i) for i in range(16)]
-    chosen, _ = sample(logits, rows)
+    chosen, _, _ = sample(logits, rows)
     assert chosen == logits.argmax(dim=-1).tolist()
 
 
@@ -258,7 +258,7 @@ def test_draws_follow_softmax_of_the_tempered_and_filtered_logits(temperature, t
     expected = processed[0].softmax(dim=-1) * DRAWS
 
     rows = [row(i, temperature=temperature, top_k=top_k, top_p=top_p, seed=1234) for i in range(DRAWS)]
-    chosen, _ = sample(logits.expand(DRAWS, -1).contiguous(), rows)
+    chosen, _, _ = sample(logits.expand(DRAWS, -1).contiguous(), rows)
     observed = torch.bincount(torch.tensor(chosen), minlength=6).double()
 
     possible = expected > 0
@@ -266,3 +266,26 @@ def test_draws_follow_softmax_of_the_tempered_and_filtered_logits(temperature, t
     e, o = expected[possible].double(), observed[possible]
     chi2 = float(((o - e) ** 2 / e).sum())
     assert chi2 < CHI2_CRITICAL[int(possible.sum()) - 1], (observed.tolist(), expected.tolist())
+
+
+# -- one row's failure stays its own ---------------------------------------------------------
+
+
+def test_a_row_whose_probabilities_are_not_finite_fails_alone_and_the_others_are_drawn_as_alone():
+    logits = random_logits(3, seed=12)
+    seen = [int(t) for t in torch.topk(logits[1], 3).indices]  # positive logits: divided by the penalty
+    rows = [row(5, temperature=0.9, seed=21),
+            SamplingRow(SamplingParams(temperature=1.0, repetition_penalty=1e-45, seed=4), seen, []),  # the sampler does not validate
+            row(temperature=0.0, presence_penalty=1.0)]
+    chosen, logprobs, failures = sample(logits, rows)
+    assert list(failures) == [1] and "probabilities are not finite" in failures[1]
+    assert chosen[0] == sample(logits[0:1], rows[0:1])[0][0]
+    assert chosen[2] == int(logits[2].argmax())
+
+
+def test_a_row_with_non_finite_logits_fails_even_when_greedy():
+    logits = random_logits(3, seed=13)
+    logits[1, 7] = float("nan")
+    chosen, _, failures = sample(logits, [row(temperature=0.0) for _ in range(3)])
+    assert list(failures) == [1] and "logits" in failures[1]
+    assert [chosen[0], chosen[2]] == [int(logits[0].argmax()), int(logits[2].argmax())]

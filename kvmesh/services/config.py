@@ -225,6 +225,11 @@ class SchedulerServiceConfig:
 class KVCacheServiceConfig:
     port: int = dataclasses.field(default=50053, metadata=_help("gRPC port (0: pick a free one)"))
     metrics_port: int = dataclasses.field(default=9103, metadata=_help("Prometheus /metrics HTTP port (0: pick a free one; -1: off)"))
+    max_pages_per_worker: int = dataclasses.field(default=1 << 20, metadata=_help("the largest KV pool (in pages) a worker may report; Apply refuses more (about 80 bytes of accounting per page)"))
+
+    def __post_init__(self):
+        if self.max_pages_per_worker < 1:
+            raise ValueError(f"max_pages_per_worker must be >= 1, got {self.max_pages_per_worker}")
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,11 @@ class Registry:
         values = await self.redis.mget(keys)
         return sorted((json.loads(v) for v in values if v), key=lambda r: r["id"])
 
+    async def record(self, kind: str, instance_id: str) -> dict | None:
+        """One live service's record, or None when it holds no lease."""
+        value = await self.redis.get(service_key(kind, instance_id))
+        return json.loads(value) if value else None
+
     async def rollout(self, model: str) -> dict | None:
         value = await self.redis.get(rollout_key(model))
         return json.loads(value) if value else None

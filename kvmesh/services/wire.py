@@ -68,10 +68,12 @@ def plan_from_proto(m: wk.StepRequest) -> StepPlan:
 
 
 def result_to_proto(step: int, r: StepResult) -> wk.StepResult:
-    return wk.StepResult(step=step, forward_ms=r.forward_s * 1000, failed=r.failed,
+    return wk.StepResult(step=step, forward_ms=r.forward_s * 1000, failed=list(r.failed),
+                         failure_reasons=list(r.failed.values()),
                          tokens=[wk.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob) for t in r.tokens])
 
 
 def result_from_proto(m: wk.StepResult) -> StepResult:
+    reasons = list(m.failure_reasons) + [""] * (len(m.failed) - len(m.failure_reasons))
     return StepResult([SampledToken(t.seq_id, t.token_id, t.logprob) for t in m.tokens], m.forward_ms / 1000,
-                      list(m.failed))
+                      dict(zip(m.failed, reasons)))

@@ -58,18 +58,20 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "tokens", "forward_ms", "error", "failed")
+    __slots__ = ("step", "tokens", "forward_ms", "error", "failed", "failure_reasons")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASONS_FIELD_NUMBER: _ClassVar[int]
     step: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_ms: float
     error: str
     failed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[str]] = ...) -> None: ...
+    failure_reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[str]] = ..., failure_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

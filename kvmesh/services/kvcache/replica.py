@@ -8,10 +8,13 @@ service replays them on its copy. PagePool is deterministic, so both copies stay
 
 from __future__ import annotations
 
+from kvmesh.params import MAX_REQUEST_ID_CHARS, InvalidRequest
 from kvmesh.services.kvcache.pages import PagePool
 from kvmesh.v1 import kvcache_pb2
 
 Op = kvcache_pb2.PageOp
+MAX_OPS_PER_APPLY = 65536  # one step's operations: a few per running sequence
+MAX_PAGE_SIZE = 65536
 
 
 class RecordingPagePool(PagePool):
@@ -53,8 +56,33 @@ class RecordingPagePool(PagePool):
         return ops
 
 
+def check_apply(request: kvcache_pb2.ApplyRequest, max_pages: int) -> None:
+    """Raises InvalidRequest (naming the field and the limit) for an ApplyRequest that no
+    scheduler's replica could have recorded, before anything is applied or allocated: a pool
+    over `max_pages` pages, too many operations, a page outside the pool, an overlong seq_id."""
+    if not 1 <= request.num_pages <= max_pages:
+        raise InvalidRequest("num_pages", f"must be in [1, {max_pages}] (max_pages_per_worker), got {request.num_pages}")
+    if not 1 <= request.page_size <= MAX_PAGE_SIZE:
+        raise InvalidRequest("page_size", f"must be in [1, {MAX_PAGE_SIZE}], got {request.page_size}")
+    if len(request.ops) > MAX_OPS_PER_APPLY:
+        raise InvalidRequest("ops", f"has {len(request.ops)} operations, over the limit of {MAX_OPS_PER_APPLY}")
+    for i, op in enumerate(request.ops):
+        if op.page_ids and max(op.page_ids) >= request.num_pages:
+            raise InvalidRequest(f"ops[{i}].page_ids", f"page {max(op.page_ids)} is outside the pool [0, {request.num_pages})")
+        if len(op.seq_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequest(f"ops[{i}].seq_id", f"has {len(op.seq_id)} characters, over the limit of {MAX_REQUEST_ID_CHARS}")
+
+
 def apply_ops(pool: PagePool, ops) -> bool:
-    """Replays ops in order; returns True if the replica diverged from the recorder."""
+    """Replays ops in order; returns True if the replica diverged from the recorder (a GROW got
+    other pages, or an op does not fit the pool's state, e.g. it names an unknown sequence)."""
+    try:
+        return _replay(pool, ops)
+    except (KeyError, ValueError, IndexError):
+        return True
+
+
+def _replay(pool: PagePool, ops) -> bool:
     for op in ops:
         if op.kind == Op.OPEN:
             pool.open(op.seq_id, list(op.page_ids))

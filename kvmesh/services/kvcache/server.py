@@ -8,14 +8,18 @@ a new epoch (the worker restarted) or `forget` (the worker is gone) drops that w
 from __future__ import annotations
 
 import logging
+from typing import Awaitable, Callable
+
+import grpc
 
 from kvmesh import telemetry
 from kvmesh.metrics import KVCacheMetrics, serve_metrics
+from kvmesh.params import InvalidRequest
 from kvmesh.services.config import CommonConfig, KVCacheServiceConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.kvcache.pages import PagePool
 from kvmesh.services.kvcache.prefix_store import PrefixStore
-from kvmesh.services.kvcache.replica import Op, apply_ops
+from kvmesh.services.kvcache.replica import Op, apply_ops, check_apply
 from kvmesh.services.registry import Registry
 from kvmesh.services.tls import mesh_server_credentials
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
@@ -26,13 +30,22 @@ log = logging.getLogger("kvmesh.kvcache")
 class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
     """Apply: one step's page operations for one worker, replayed in order; the prefix index
     changes they cause are mirrored to Redis in one pipeline. A new epoch or `forget` drops the
-    worker's pages and purges its Redis entries. Stats: pages per worker."""
+    worker's pages and purges its Redis entries. Stats: pages per worker.
 
-    def __init__(self, store: PrefixStore, metrics: KVCacheMetrics | None = None):
+    Apply bounds what it takes before it allocates anything: INVALID_ARGUMENT (naming the field
+    and the limit) for a pool over `max_pages_per_worker` pages, too many operations or a page
+    outside the pool; FAILED_PRECONDITION for a new epoch that the worker's registry record does
+    not show with that page count (so accounting exists only for registered workers). Operations
+    that do not fit the pool's state count as a divergence (`diverged`), never as a crash."""
+
+    def __init__(self, store: PrefixStore, metrics: KVCacheMetrics | None = None, *, max_pages_per_worker: int = 1 << 20,
+                 registered_worker: Callable[[str], Awaitable[dict | None]] | None = None):
         self.pools: dict[str, tuple[int, PagePool]] = {}  # worker id -> (epoch, pool)
         self.store = store
         self.metrics = metrics or KVCacheMetrics()
         self.tracer = telemetry.tracer("kvmesh.kvcache")
+        self.max_pages_per_worker = max_pages_per_worker
+        self.registered_worker = registered_worker  # worker id -> its registry record (None: no check)
 
     async def Apply(self, request, context):
         if request.forget:
@@ -40,9 +53,19 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             self.metrics.forget(request.worker_id)
             await self._mirror(request.worker_id, 0, [], purge=True)
             return kvcache_pb2.ApplyResponse()
+        try:
+            check_apply(request, self.max_pages_per_worker)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         epoch, pool = self.pools.get(request.worker_id, (None, None))
         new_epoch = epoch != request.epoch
+        if not new_epoch and request.num_pages != pool.num_pages:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"num_pages: worker {request.worker_id!r} has {pool.num_pages} pages at epoch {epoch}, "
+                                f"got {request.num_pages}")
         if new_epoch:
+            if (mismatch := await self._unregistered(request)) is not None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
             pool = PagePool(request.num_pages, request.page_size)
             pool.index_changes = []
             self.pools[request.worker_id] = (request.epoch, pool)
@@ -80,6 +103,22 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
                 span.set_attributes({"kvmesh.free_pages": st.free, "kvmesh.cached_pages": st.cached})
         return False
 
+    async def _unregistered(self, request) -> str | None:
+        """Why a new epoch's pool is not created, or None: the worker's live registry record must
+        show this epoch and this many pages."""
+        if self.registered_worker is None:
+            return None
+        try:
+            record = await self.registered_worker(request.worker_id)
+        except Exception as e:  # Redis down: nothing to check against; the next Apply asks again
+            return f"cannot read the registry record of worker {request.worker_id!r}: {e}"
+        if record is None:
+            return f"worker {request.worker_id!r} is not registered"
+        if record.get("epoch") != request.epoch or record.get("num_pages") != request.num_pages:
+            return (f"worker {request.worker_id!r} is registered at epoch {record.get('epoch')} with "
+                    f"{record.get('num_pages')} pages, not epoch {request.epoch} with {request.num_pages}")
+        return None
+
     async def _mirror(self, worker_id: str, epoch: int, changes, purge: bool) -> None:
         try:
             await self.store.apply(worker_id, epoch, changes, purge=purge)
@@ -99,7 +138,8 @@ async def serve(common: CommonConfig, cfg: KVCacheServiceConfig) -> None:
     telemetry.setup_tracing("kvcache")
     metrics_port = serve_metrics(common.host, cfg.metrics_port)
     registry = Registry(common.redis_url)
-    service = KVCacheService(PrefixStore(registry.redis))
+    service = KVCacheService(PrefixStore(registry.redis), max_pages_per_worker=cfg.max_pages_per_worker,
+                             registered_worker=lambda worker_id: registry.record("worker", worker_id))
     server = ServiceServer(["kvmesh.v1.KVCache"], lambda s: kvcache_pb2_grpc.add_KVCacheServicer_to_server(service, s),
                            common.host, cfg.port, mesh_server_credentials(common))
     await server.start()

@@ -19,7 +19,7 @@ import grpc
 from kvmesh import telemetry
 from kvmesh.fleet.rollout import RolloutState
 from kvmesh.metrics import RouterMetrics
-from kvmesh.params import InvalidRequest, validate_request
+from kvmesh.params import InvalidRequest, validate_request, validate_request_id
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
@@ -36,7 +36,6 @@ MAX_STOP_STRINGS = 16
 # The stop-string matcher's work per token grows with the square of a string's length.
 MAX_STOP_STRING_CHARS = 256
 # Every response message echoes the request id: a long one would multiply what a request costs.
-MAX_REQUEST_ID_CHARS = 128
 
 
 class RouterError(Exception):
@@ -143,9 +142,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     async def _validated(self, pool: Pool, request) -> scheduler_pb2.SubmitRequest:
         # The cheap checks first: nothing is tokenized for a request refused anyway.
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequest("request_id", f"has {len(request.request_id)} characters, over the limit of "
-                                               f"{MAX_REQUEST_ID_CHARS}")
+        validate_request_id(request.request_id)
         if len(request.stopping.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest("stop", f"has {len(request.stopping.stop)} strings, over the limit of {MAX_STOP_STRINGS}")
         if (longest := max(map(len, request.stopping.stop), default=0)) > MAX_STOP_STRING_CHARS:

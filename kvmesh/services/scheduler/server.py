@@ -21,7 +21,7 @@ import grpc
 from kvmesh import telemetry
 from kvmesh.fleet.health import AdmissionRamp
 from kvmesh.metrics import SchedulerMetrics, serve_metrics
-from kvmesh.params import InvalidRequest
+from kvmesh.params import InvalidRequest, validate_request, validate_request_id
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, SchedulerServiceConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
@@ -40,12 +40,17 @@ log = logging.getLogger("kvmesh.scheduler")
 
 _REASONS = {r: gen.FinishReason.Value(r.name) for r in FinishReason}
 NO_WORKER_WAIT_S = 3.0
+MAX_VERSION_CHARS = 128
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    """Submit: validated token ids in (the router validates text-level input), a stream of
-    TokenEvents out, the last with its finish reason. Errors: UNAVAILABLE when no worker is
-    ready, INVALID_ARGUMENT when the request cannot fit a worker's KV pool."""
+    """Submit: token ids in, a stream of TokenEvents out, the last with its finish reason. It
+    trusts no caller: the request is checked by the router's rules (kvmesh.params) against the
+    model of the pool's workers (token ids within its vocabulary, prompt plus max_new_tokens
+    within its context, sampling values within their limits), and request_id and version are
+    bounded. Errors: INVALID_ARGUMENT naming the field and the limit (also when the request cannot
+    fit a worker's KV pool), UNAVAILABLE when no worker is ready, RESOURCE_EXHAUSTED when the
+    queue is full."""
 
     def __init__(self, cfg: SchedulerServiceConfig, registry: Registry, metrics: SchedulerMetrics | None = None,
                  identity: MeshIdentity | None = None):
@@ -115,26 +120,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._abort(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"queue is full ({waiting} waiting, limit max_queue_len={self.cfg.max_queue_len}); "
                               f"retry in about {hint:.0f} s")
-        hashes = self.page_hashes(list(request.prompt_token_ids))
-        worker = self.pick_worker(hashes, request.version)
+        if len(request.version) > MAX_VERSION_CHARS:  # before it is echoed in an UNAVAILABLE message
+            await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT,
+                              f"version: has {len(request.version)} characters, over the limit of {MAX_VERSION_CHARS}")
+        ready = self.ready_worker(request.version)
         for _ in range(int(NO_WORKER_WAIT_S / 0.1)):  # a worker may be (re)joining: wait, bounded
-            if worker is not None:
+            if ready is not None:
                 break
             await asyncio.sleep(0.1)
-            worker = self.pick_worker(hashes, request.version)
-        if worker is None:
-            which = f"of version {request.version!r} " if request.version else ""
-            await self._abort(context, span, grpc.StatusCode.UNAVAILABLE,
-                              f"no worker {which}in pool {self.cfg.pool!r} is ready (waited {NO_WORKER_WAIT_S:.0f}s)")
-        req = Request(
-            request_id=request.request_id or uuid.uuid4().hex,
-            prompt_token_ids=list(request.prompt_token_ids),
-            sampling=wire.sampling_from_proto(request.sampling),
-            stopping=wire.stopping_from_proto(request.stopping),
-            eos_token_ids=tuple(worker.info.eos_token_ids),
-            priority=request.priority,
-            traceparent=telemetry.traceparent(span),
-        )
+            ready = self.ready_worker(request.version)
+        if ready is None:
+            await self._no_worker(request, context, span)
+        try:
+            req = self._request(request, ready.info, span)
+        except InvalidRequest as e:
+            await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        hashes = self.page_hashes(req.prompt_token_ids)
+        worker = self.pick_worker(hashes, request.version)
+        if worker is None:  # the one found above left meanwhile
+            await self._no_worker(request, context, span)
+        req.eos_token_ids = tuple(worker.info.eos_token_ids)
         if req.request_id in self.active_ids:
             await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, f"request_id {req.request_id!r} is already in use")
         expected_pages = worker.view(hashes).prefix_pages
@@ -164,6 +169,33 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.active_ids.discard(req.request_id)
             owner = self.owner.pop(req.request_id, worker)
             owner.done(req.request_id, hashes, finished)  # cancels it if the client left or timed out
+
+    def ready_worker(self, version: str) -> WorkerLoop | None:
+        """Some worker of `version` ("" any) that takes requests: its model's limits apply to the request."""
+        return next((w for w in self.workers.values() if w.alive and not w.draining
+                     and (not version or w.version == version)), None)
+
+    async def _no_worker(self, request, context, span):
+        which = f"of version {request.version!r} " if request.version else ""
+        await self._abort(context, span, grpc.StatusCode.UNAVAILABLE,
+                          f"no worker {which}in pool {self.cfg.pool!r} is ready (waited {NO_WORKER_WAIT_S:.0f}s)")
+
+    @staticmethod
+    def _request(request, model: worker_pb2.WorkerInfo, span) -> Request:
+        """The Request of a Submit, checked by the router's rules against `model` (a worker's
+        info: vocab_size, max_context). Raises InvalidRequest naming the field and the limit."""
+        validate_request_id(request.request_id)
+        req = Request(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=wire.sampling_from_proto(request.sampling),
+            stopping=wire.stopping_from_proto(request.stopping),
+            priority=request.priority,
+            traceparent=telemetry.traceparent(span),
+        )
+        validate_request(req.prompt_token_ids, req.sampling, req.stopping, max_context=model.max_context,
+                         vocab_size=model.vocab_size)
+        return req
 
     def page_hashes(self, token_ids: list[int]) -> list[bytes]:
         page_size = next((w.pool.page_size for w in self.workers.values()), 16)

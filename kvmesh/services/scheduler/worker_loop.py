@@ -160,9 +160,10 @@ class WorkerLoop:
                 if result.error:
                     self._fail([c.seq_id for c in plan.scheduled], f"worker {self.worker_id} step failed: {result.error}")
                     continue
-                self._dispatch(self.core.update(plan, wire.result_from_proto(result)))
-                if result.failed:
-                    self._fail(list(result.failed), f"worker {self.worker_id} failed the request")
+                step_result = wire.result_from_proto(result)
+                self._dispatch(self.core.update(plan, step_result))
+                for seq_id, why in step_result.failed.items():
+                    self._fail([seq_id], f"worker {self.worker_id} failed the request" + (f": {why}" if why else ""))
                 self._queue_ops()
                 self._account(t0, t1, t2, result.forward_ms / 1000)
                 self._step_hist.observe(t2 - t1)

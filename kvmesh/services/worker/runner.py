@@ -4,6 +4,10 @@
 forward pass over the flattened batch (decode tokens and prefill chunks together), and samples
 every sequence the step brings level with its known tokens. No I/O: the gRPC adapter and the
 in-process engine both call it.
+
+It trusts no plan: a new sequence with a token outside the vocabulary, a page outside the pool or
+sampling values outside their limits, a chunk it cannot run, or a row the sampler cannot draw
+fails that sequence alone (`StepResult.failed`, with the reason); the step goes on for the rest.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.kernels.attention import SequenceSlice, causal_mask
+from kvmesh.params import InvalidRequest, validate_sampling
 from kvmesh.services.worker.model import BatchInput, CausalLM
 from kvmesh.services.worker.sampling import SamplingRow, sample
-from kvmesh.step import NewSequence, SampledToken, StepPlan, StepResult
+from kvmesh.step import NewSequence, SampledToken, ScheduledChunk, StepPlan, StepResult
 
 
 class KVPool:
@@ -94,16 +99,71 @@ class ModelRunner:
         )
         self.seqs[new.seq_id].extend(new.page_ids)
 
-    def _build_batch(self, plan: StepPlan) -> tuple[BatchInput, list[SequenceState]]:
+    def _new_sequence_problem(self, new: NewSequence) -> str | None:
+        """Why this worker cannot take the new sequence, or None."""
+        ids, vocab = new.token_ids, self.model.cfg.vocab_size
+        if not ids:
+            return "token_ids: must not be empty"
+        if len(ids) > self.model.cfg.max_position_embeddings:
+            return f"token_ids: {len(ids)} tokens, over the model's context of {self.model.cfg.max_position_embeddings}"
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            return f"token_ids: token id {bad} is outside the vocabulary [0, {vocab})"
+        if not 0 < new.num_prompt_tokens <= len(ids):
+            return f"num_prompt_tokens: must be in [1, {len(ids)}], got {new.num_prompt_tokens}"
+        if not 0 <= new.num_computed_tokens < len(ids):
+            return f"num_computed_tokens: must be in [0, {len(ids)}), got {new.num_computed_tokens}"
+        if (page := self._page_outside_pool(new.page_ids)) is not None:
+            return f"page_ids: page {page} is outside the pool [0, {self.pool.num_pages})"
+        try:
+            validate_sampling(new.sampling)
+        except InvalidRequest as e:
+            return f"sampling: {e}"
+        return None
+
+    def _chunk_problem(self, chunk: ScheduledChunk, state: SequenceState | None) -> str | None:
+        """Why this chunk cannot run, or None."""
+        if state is None:
+            return "scheduled but unknown to the worker (never sent as new, or dropped)"
+        if (page := self._page_outside_pool(chunk.new_page_ids)) is not None:
+            return f"new_page_ids: page {page} is outside the pool [0, {self.pool.num_pages})"
+        end = state.num_computed_tokens + chunk.num_tokens
+        if chunk.num_tokens < 1 or end > len(state.token_ids):
+            return (f"num_tokens: {chunk.num_tokens} tokens after the {state.num_computed_tokens} computed "
+                    f"do not lie within its {len(state.token_ids)} tokens")
+        if end > self.model.cfg.max_position_embeddings:
+            return f"num_tokens: position {end} is over the model's context of {self.model.cfg.max_position_embeddings}"
+        if end > (len(state.page_ids) + len(chunk.new_page_ids)) * self.page_size:
+            return f"{end} tokens do not fit its {len(state.page_ids) + len(chunk.new_page_ids)} pages"
+        return None
+
+    def _page_outside_pool(self, pages: list[int]) -> int | None:
+        if pages and (min(pages) < 0 or max(pages) >= self.pool.num_pages):
+            return next(p for p in pages if not 0 <= p < self.pool.num_pages)
+        return None
+
+    def _runnable(self, scheduled: list[ScheduledChunk], failed: dict[str, str]) -> list[ScheduledChunk]:
+        """The chunks that can run; every other one fails its sequence alone (added to `failed`)."""
+        seen: set[str] = set()
+        for chunk in scheduled:
+            problem = failed.get(chunk.seq_id) or self._chunk_problem(chunk, self.seqs.get(chunk.seq_id))
+            if chunk.seq_id in seen:
+                problem = "scheduled twice in one step"
+            seen.add(chunk.seq_id)
+            if problem is not None:
+                failed[chunk.seq_id] = problem
+        for seq_id in failed:
+            self.seqs.pop(seq_id, None)
+        return [c for c in scheduled if c.seq_id not in failed]
+
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[BatchInput, list[SequenceState]]:
         tokens, positions, slots, seqs, logit_rows, sampled = [], [], [], [], [], []
         row, ps = 0, self.page_size
         window = self.model.cfg.sliding_window
-        for chunk in plan.scheduled:
+        for chunk in chunks:
             state = self.seqs[chunk.seq_id]
             state.extend(chunk.new_page_ids)
             start, end = state.num_computed_tokens, state.num_computed_tokens + chunk.num_tokens
-            if end > len(state.page_ids) * self.page_size:
-                raise RuntimeError(f"sequence {chunk.seq_id}: {end} tokens do not fit its {len(state.page_ids)} pages")
             ctx_slots = state.slots[:end]
             tokens.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
@@ -127,20 +187,30 @@ class ModelRunner:
         return batch, sampled
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Applies the plan's deltas, runs the forward pass and samples; returns the new tokens."""
+        """Applies the plan's deltas, runs the forward pass and samples; returns the new tokens, and
+        the sequences that failed alone (seq id -> why; the worker has forgotten them)."""
+        failed: dict[str, str] = {}
         for seq_id in plan.dropped:
             self.seqs.pop(seq_id, None)
         for new in plan.new:
-            self._add(new)
-        if not plan.scheduled:
-            return StepResult(tokens=[])
+            if (problem := self._new_sequence_problem(new)) is None:
+                self._add(new)
+            else:
+                failed[new.seq_id] = problem
+        chunks = self._runnable(plan.scheduled, failed)
+        if not chunks:
+            return StepResult(tokens=[], failed=failed)
         started = time.perf_counter()
-        batch, sampled = self._build_batch(plan)
+        batch, sampled = self._build_batch(chunks)
         logits = self.model.forward(batch, self.pool.k, self.pool.v)
-        ids, logprobs = sample(logits, [s.sampling_row for s in sampled]) if sampled else ([], [])
+        ids, logprobs, failures = sample(logits, [s.sampling_row for s in sampled]) if sampled else ([], [], {})
         out = []
-        for state, token_id, logprob in zip(sampled, ids, logprobs):
+        for i, (state, token_id, logprob) in enumerate(zip(sampled, ids, logprobs)):
+            if i in failures:
+                failed[state.seq_id] = failures[i]
+                del self.seqs[state.seq_id]
+                continue
             state.token_ids.append(token_id)
             state.sampling_row.output_ids.append(token_id)
             out.append(SampledToken(state.seq_id, token_id, logprob))
-        return StepResult(tokens=out, forward_s=time.perf_counter() - started)
+        return StepResult(tokens=out, forward_s=time.perf_counter() - started, failed=failed)

@@ -5,10 +5,12 @@ temperature, top-k, top-p, then a draw. The draw for output position n of a seed
 a generator seeded from (seed, n) alone, so the same request gives the same tokens alone, inside
 any batch, after preemption and on another worker. The reported logprob is the chosen token's
 log-probability under the model's raw distribution (before any processing), as vLLM reports it.
+A row that cannot be sampled (its logits or probabilities are not finite) fails alone; the others are drawn.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,23 +61,43 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float]]:
-    """logits: `[len(rows), vocab]` float32. Returns the chosen ids and their raw logprobs."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float], dict[int, str]]:
+    """logits: `[len(rows), vocab]` float32. Returns the chosen ids, their raw logprobs, and the
+    rows that could not be sampled (row index -> why); a failed row's id and logprob mean nothing."""
     logprobs = torch.log_softmax(logits, dim=-1)
+    failures: dict[int, str] = {}
     if all(r.params.greedy and not r.params.has_penalties for r in rows):
         chosen = logits.argmax(dim=-1)
     else:
-        chosen = torch.tensor([_sample_row(logits[i].clone(), r) for i, r in enumerate(rows)], dtype=torch.long)
-    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    return chosen.tolist(), picked.tolist()
+        ids = []
+        for i, r in enumerate(rows):
+            try:
+                ids.append(_sample_row(logits[i].clone(), r))
+            except Exception as e:  # this row's values, not the batch: the others are still drawn
+                failures[i] = f"sampling failed: {e}"
+                ids.append(0)
+        chosen = torch.tensor(ids, dtype=torch.long)
+    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    for i, logprob in enumerate(picked):
+        # Finite logits give every token a finite raw logprob: a NaN or inf here means the row's
+        # logits are not finite (its forward pass overflowed), and its token, greedy or not, is noise.
+        if not math.isfinite(logprob) and i not in failures:
+            failures[i] = "the model's logits for it are not finite"
+    return chosen.tolist(), picked, failures
 
 
 def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    """One row's draw; ValueError when its probabilities are not finite (checked here, not left to
+    torch.multinomial, which on CUDA may fail the whole device instead of raising)."""
     p = row.params
     if p.has_penalties:
         logits = _apply_penalties(logits, p, row.prompt_ids, row.output_ids)
     if p.greedy:
         return int(logits.argmax())
     logits = _filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
+    probs = logits.softmax(dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError(f"probabilities are not finite (temperature={p.temperature}, "
+                         f"repetition_penalty={p.repetition_penalty})")
     generator = torch.Generator().manual_seed(position_seed(p.seed or 0, len(row.output_ids)))
-    return int(torch.multinomial(logits.softmax(dim=-1), 1, generator=generator))
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -80,8 +80,11 @@ class StepTracer:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    """Step: StepRequest in, StepResult out, one per step, in order. A step that raises answers
-    with `error` set and the stream stays open. Info: what the scheduler needs to plan pages."""
+    """Step: StepRequest in, StepResult out, one per step, in order. A sequence the runner cannot
+    take or run (a token outside the vocabulary, a page outside the pool, sampling values outside
+    their limits, a row it cannot sample) fails alone, in `failed` with its reason; a step that
+    still raises answers with `error` set and the stream stays open. Info: what the scheduler
+    needs to plan pages and validate requests (vocab_size, max_context)."""
 
     def __init__(self, fault_rate: float = 0.0):
         self.runner: ModelRunner | None = None
@@ -117,6 +120,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 continue
             if self.fault_rate:
                 inject_faults(result, self.fault_rate)
+            if result.failed:
+                log.warning("step %d: %d sequences failed alone: %s", request.step, len(result.failed),
+                            "; ".join(f"{k}: {v}" for k, v in list(result.failed.items())[:4]))
             yield wire.result_to_proto(request.step, result)
             # After the result is on its way: the scheduler is busy with it meanwhile.
             self.metrics.forward.observe(result.forward_s)
@@ -147,7 +153,7 @@ def inject_faults(result, rate: float) -> None:
     """Turns the first token of each faulty sequence into a failure of that sequence alone."""
     for token in [t for t in result.tokens if is_faulty(t.seq_id, rate)]:
         result.tokens.remove(token)
-        result.failed.append(token.seq_id)
+        result.failed[token.seq_id] = "injected fault (--fault-rate)"
 
 
 class MemoryProbe:
