@@ -3,7 +3,7 @@ of operations that do not fit the pool (a divergence, never a crash)."""
 
 import pytest
 
-from kvmesh.params import InvalidRequest
+from kvmesh.params import MAX_REQUEST_ID_CHARS, InvalidRequest
 from kvmesh.services.kvcache.pages import PagePool
 from kvmesh.services.kvcache.replica import MAX_OPS_PER_APPLY, Op, RecordingPagePool, apply_ops, check_apply
 from kvmesh.v1 import kvcache_pb2
@@ -22,7 +22,7 @@ def request(**fields):
     (dict(ops=[Op(kind=Op.RELEASE, seq_id="s")] * (MAX_OPS_PER_APPLY + 1)), "ops", f"over the limit of {MAX_OPS_PER_APPLY}"),
     (dict(ops=[Op(kind=Op.GROW, seq_id="s"), Op(kind=Op.OPEN, seq_id="t", page_ids=[3, 64])]), "ops[1].page_ids",
      "page 64 is outside the pool [0, 64)"),
-    (dict(ops=[Op(kind=Op.OPEN, seq_id="s" * 10_000)]), "ops[0].seq_id", "over the limit of 256"),
+    (dict(ops=[Op(kind=Op.OPEN, seq_id="s" * 10_000)]), "ops[0].seq_id", f"over the limit of {MAX_REQUEST_ID_CHARS}"),
 ])
 def test_an_apply_no_replica_could_have_recorded_is_refused_naming_the_field_and_the_limit(fields, field, limit):
     with pytest.raises(InvalidRequest) as err:
