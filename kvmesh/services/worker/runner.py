@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvmesh.kernels.attention import SequenceSlice, causal_mask
@@ -22,6 +23,14 @@ from kvmesh.params import InvalidRequest, validate_sampling
 from kvmesh.services.worker.model import BatchInput, CausalLM
 from kvmesh.services.worker.sampling import SamplingRow, sample
 from kvmesh.step import NewSequence, SampledToken, ScheduledChunk, StepPlan, StepResult
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory the OS hands out as it is first written (calloc of a large
+    block maps fresh zero pages), so a large KV pool costs the pages sequences use, not a memset of
+    the whole pool at start (torch.zeros of 4 GiB takes seconds)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class KVPool:
@@ -32,8 +41,8 @@ class KVPool:
         shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
         self.num_pages = num_pages
         self.page_size = page_size
-        self.k = torch.zeros(shape, dtype=model.dtype)
-        self.v = torch.zeros(shape, dtype=model.dtype)
+        self.k = lazily_zeroed(shape, model.dtype)
+        self.v = lazily_zeroed(shape, model.dtype)
 
     @staticmethod
     def pages_for_budget(model: CausalLM, memory_bytes: int, page_size: int) -> int:
