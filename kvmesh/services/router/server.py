@@ -16,7 +16,7 @@ import uuid
 
 import grpc
 
-from kvmesh import telemetry
+from kvmesh import grammar, telemetry
 from kvmesh.fleet.rollout import RolloutState
 from kvmesh.metrics import RouterMetrics
 from kvmesh.params import InvalidRequest, validate_request, validate_request_id
@@ -24,7 +24,7 @@ from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry, pool_of, ready_versions
-from kvmesh.services.router.pools import Pool, parse_models
+from kvmesh.services.router.pools import Pool, parse_models, served_names
 from kvmesh.services.router.stops import StopStringMatcher
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
 from kvmesh.tokenizer import IncrementalDetokenizer
@@ -59,8 +59,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.api_keys = cfg.api_key_set()
         self.metrics = metrics or RouterMetrics()
         self.tracer = telemetry.tracer("kvmesh.router")
-        self.pools: dict[str, Pool] = {name: Pool.load(name, folder) for name, folder in parse_models(cfg.model, cfg.model_name)}
+        served = served_names(parse_models(cfg.model, cfg.model_name), cfg.served_model_name)
+        self.pools: dict[str, Pool] = {name: Pool.load(name, folder, aliases) for name, folder, aliases in served}
         self.default_pool = next(iter(self.pools))
+        self._by_name = {n: p for p in self.pools.values() for n in (p.name, *p.aliases)}
         self.registry = registry
         self._seeds = random.Random()
 
@@ -98,11 +100,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             return None
 
     def pool_for(self, name: str) -> Pool:
-        """The pool clients call `name` ('' is the first one); RouterError(NOT_FOUND) if none."""
-        pool = self.pools.get(name or self.default_pool)
+        """The pool clients call `name`, by its name or an alias ('' is the first one); RouterError(NOT_FOUND) if none."""
+        pool = self._by_name.get(name or self.default_pool)
         if pool is None:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
-                              f"model {name!r} is not served here (served: {', '.join(repr(p) for p in self.pools)})")
+                              f"model {name!r} is not served here (served: {', '.join(repr(n) for n in self._by_name)})")
         return pool
 
     async def _ready_pool(self, pool: Pool, timeout: float | None) -> None:
@@ -152,6 +154,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         stopping = wire.stopping_from_proto(request.stopping)
         validate_request(ids, sampling, stopping, max_context=pool.model.max_position_embeddings,
                          vocab_size=pool.model.vocab_size)
+        if sampling.structured_output is not None:
+            await asyncio.to_thread(grammar.check, sampling.structured_output)  # a large schema takes a while
         submit = scheduler_pb2.SubmitRequest(
             request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
             sampling=request.sampling, stopping=wire.stopping_to_proto(stopping), priority=request.priority)
@@ -180,8 +184,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         ready (UNAVAILABLE) and a scheduler's error status, passed on as it came (retry hint included).
         Records the request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
         started = time.monotonic()
-        model = request.model or self.default_pool
-        model = model if model in self.pools else "unknown"  # a label per served pool only: bounded
+        pool = self._by_name.get(request.model or self.default_pool)
+        model = pool.name if pool is not None else "unknown"  # a label per served pool only: bounded
         self.metrics.in_flight.labels(model).inc()
         try:
             async for out in self._generate(request, timeout, span, started):
@@ -299,7 +303,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     def model_infos(self) -> list[gen.ModelInfo]:
         """The pools with a ready worker, each with its versions and their share of traffic."""
-        return [gen.ModelInfo(name=p.name, ready_workers=p.ready_workers, max_context=p.model.max_position_embeddings,
+        return [gen.ModelInfo(name=p.name, aliases=p.aliases, ready_workers=p.ready_workers,
+                              max_context=p.model.max_position_embeddings,
                               versions=[gen.ModelVersion(version=v, ready_workers=n, traffic_percent=p.traffic_percent(v))
                                         for v, n in sorted(p.versions.items())])
                 for p in self.pools.values() if p.ready]
