@@ -63,6 +63,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.pools: dict[str, Pool] = {name: Pool.load(name, folder, aliases) for name, folder, aliases in served}
         self.default_pool = next(iter(self.pools))
         self._by_name = {n: p for p in self.pools.values() for n in (p.name, *p.aliases)}
+        for name in self.pools:
+            self.metrics.start(name)
         self.registry = registry
         self._seeds = random.Random()
 
@@ -187,9 +189,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         pool = self._by_name.get(request.model or self.default_pool)
         model = pool.name if pool is not None else "unknown"  # a label per served pool only: bounded
         self.metrics.in_flight.labels(model).inc()
+        finished = False
         try:
             async for out in self._generate(request, timeout, span, started):
+                finished = out.HasField("finish")
                 yield out
+        except (GeneratorExit, asyncio.CancelledError):  # the caller closed the stream: its client left
+            if not finished:
+                self.metrics.cancelled.labels(model).inc()
+            raise
         except RouterError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:  # unknown names would grow the label set without bound
                 self.metrics.failure.labels(model, e.code.name).inc()
@@ -243,7 +251,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                         queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
                         total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
                         worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version)
-                    self._record_finish(pool.name, finish, span)
+                    self._record_finish(pool.name, finish, submit.stopping.max_new_tokens, span)
                     out.finish.CopyFrom(finish)
                     yield out
                     return
@@ -253,13 +261,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         finally:
             call.cancel()  # no-op once finished; frees the request upstream when the client left
 
-    def _record_finish(self, model: str, f: gen.Finish, span: telemetry.Span) -> None:
+    def _record_finish(self, model: str, f: gen.Finish, max_tokens: int, span: telemetry.Span) -> None:
         m = self.metrics
         reason = gen.FinishReason.Name(f.reason).lower()
         m.success.labels(model, reason).inc()
         m.ttft.labels(model).observe(f.ttft_ms / 1000)
         m.e2e.labels(model).observe(f.total_ms / 1000)
         m.queue.labels(model).observe(f.queue_ms / 1000)
+        m.prefill_time.labels(model).observe(max(0.0, f.ttft_ms - f.queue_ms) / 1000)
+        m.decode_time.labels(model).observe(max(0.0, f.total_ms - f.ttft_ms) / 1000)
+        m.inference_time.labels(model).observe(max(0.0, f.total_ms - f.queue_ms) / 1000)
+        m.max_tokens.labels(model).observe(max_tokens)
         if f.completion_tokens > 1:
             m.tpot.labels(model).observe((f.total_ms - f.ttft_ms) / 1000 / (f.completion_tokens - 1))
         m.prompt_len.labels(model).observe(f.prompt_tokens)
