@@ -237,6 +237,7 @@ class RouterConfig:
     port: int = dataclasses.field(default=50051, metadata=_help("gRPC port (0: pick a free one)"))
     model: str = dataclasses.field(default="", metadata=_help("the pools' checkpoint folders (their tokenizers): DIR, or NAME=DIR[,NAME=DIR...] for several pools (default: the default model)"))
     model_name: str = dataclasses.field(default="default", metadata=_help("the pool name clients use in GenerateRequest.model when --model is a plain DIR"))
+    served_model_name: str = dataclasses.field(default="", metadata=_help("more names the one pool answers to, comma-separated (as vLLM's --served-model-name); a pool started from a folder also answers to the folder's path as given"))
     no_worker_wait_s: float = dataclasses.field(default=5.0, metadata=_help("a request for a pool with no ready worker waits this long, then UNAVAILABLE"))
     http_port: int = dataclasses.field(default=8000, metadata=_help("HTTP port: OpenAI-compatible API, /health, /ready, /metrics (0: pick a free one; -1: off)"))
     api_keys: str = dataclasses.field(default="", repr=False, metadata=_help("comma-separated API keys; when set, callers must send `authorization: Bearer KEY` (HTTP header or gRPC metadata)", secret=True))
@@ -246,12 +247,14 @@ class RouterConfig:
     max_prompt_chars: int = dataclasses.field(default=1 << 20, metadata=_help("longest prompt text, all chat messages together, in characters; checked before tokenizing (400 above it)"))
 
     def __post_init__(self):
-        from kvmesh.services.router.pools import parse_models
+        from kvmesh.services.router.pools import parse_models, served_names
         from kvmesh.services.tls import check_files
 
         check_files({"tls_cert": self.tls_cert, "tls_key": self.tls_key})
 
-        for _, folder in parse_models(self.model, self.model_name):
+        pools = parse_models(self.model, self.model_name)
+        served_names(pools, self.served_model_name)
+        for _, folder in pools:
             if folder:
                 check_checkpoint_folder("model", folder)
         if self.no_worker_wait_s < 0:

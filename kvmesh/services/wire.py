@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.params import SamplingParams, StoppingParams
+from kvmesh.params import SamplingParams, StoppingParams, StructuredOutput
 from kvmesh.step import NewSequence, SampledToken, ScheduledChunk, StepPlan, StepResult
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import worker_pb2 as wk
@@ -17,7 +17,19 @@ def sampling_from_proto(m: gen.SamplingParams) -> SamplingParams:
         presence_penalty=m.presence_penalty,
         frequency_penalty=m.frequency_penalty,
         seed=m.seed if m.HasField("seed") else None,
+        structured_output=structured_from_proto(m.structured_output) if m.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(m: gen.StructuredOutput) -> StructuredOutput | None:
+    kind = m.WhichOneof("format")
+    if kind is None or (kind == "json_object" and not m.json_object):
+        return None
+    return StructuredOutput(kind, m.json_schema)
+
+
+def structured_to_proto(s: StructuredOutput) -> gen.StructuredOutput:
+    return gen.StructuredOutput(json_schema=s.schema) if s.kind == "json_schema" else gen.StructuredOutput(json_object=True)
 
 
 def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
@@ -26,6 +38,8 @@ def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
                            frequency_penalty=s.frequency_penalty)
     if s.seed is not None:
         m.seed = s.seed
+    if s.structured_output is not None:
+        m.structured_output.CopyFrom(structured_to_proto(s.structured_output))
     return m
 
 

@@ -56,6 +56,8 @@ _HTTP_STATUS = {
 _FINISH_REASONS = {gen.LENGTH: "length", gen.STOP: "stop", gen.EOS: "stop"}
 # Parameters kvmesh cannot honour; a request that sets one gets a 400 naming it.
 _UNSUPPORTED = ("echo", "suffix", "logit_bias", "tools", "functions")
+_STRUCTURED_RENAMES = {"structured_output": "response_format",
+                       "structured_output.json_schema": "response_format.json_schema.schema"}
 
 
 class ApiError(Exception):
@@ -217,7 +219,7 @@ def add_routes(app: web.Application, service) -> None:
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
-    app.router.add_get("/v1/models/{model}", api.model)
+    app.router.add_get("/v1/models/{model:.+}", api.model)  # a folder path holds slashes
 
 
 class OpenAIApi:
@@ -237,10 +239,10 @@ class OpenAIApi:
         return await self._serve(http, _ChatCompletion, self._chat_call)
 
     async def models(self, http: web.Request) -> web.Response:
-        """The model pools that have a ready worker (as the gRPC ListModels)."""
+        """The model pools that have a ready worker, one card per name each answers to (as the gRPC ListModels)."""
         if (refused := self._unauthorized(http)) is not None:
             return refused
-        data = [self._model_card(p) for p in self.service.pools.values() if p.ready]
+        data = [self._model_card(p, name) for p in self.service.pools.values() if p.ready for name in (p.name, *p.aliases)]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, http: web.Request) -> web.Response:
@@ -251,10 +253,11 @@ class OpenAIApi:
             pool = self.service.pool_for(http.match_info["model"])
         except RouterError as e:
             return api_error(e, {}).response({})
-        return web.json_response(self._model_card(pool))
+        return web.json_response(self._model_card(pool, http.match_info["model"]))
 
-    def _model_card(self, pool) -> dict:
-        return {"id": pool.name, "object": "model", "created": self.created, "owned_by": "kvmesh",
+    def _model_card(self, pool, name: str) -> dict:
+        """The card of one name `pool` answers to (its own, or an alias: `root` is the pool)."""
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "kvmesh", "root": pool.name,
                 "max_model_len": pool.model.max_position_embeddings}
 
     def _unauthorized(self, http: web.Request) -> web.Response | None:
@@ -362,7 +365,8 @@ class OpenAIApi:
                                           f"not computed), got {logprobs}")
         request = _generate_request(f, "max_tokens")
         _set_prompt(f, request)
-        return _call(f, request, logprobs is not None, {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"})
+        return _call(f, request, logprobs is not None, {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt",
+                                                          **_STRUCTURED_RENAMES})
 
     async def _chat_call(self, f: _Fields) -> _Call:
         _reject_unsupported(f)
@@ -375,7 +379,7 @@ class OpenAIApi:
         rest_of_context = max(1, pool.model.max_position_embeddings - len(ids))
         request = _generate_request(f, max_name, default_max=rest_of_context)
         request.prompt_token_ids.ids.extend(ids)
-        renames = {"max_new_tokens": max_name, "prompt": "messages", "prompt_token_ids": "messages"}
+        renames = {"max_new_tokens": max_name, "prompt": "messages", "prompt_token_ids": "messages", **_STRUCTURED_RENAMES}
         return _call(f, request, logprobs, renames)
 
     async def _chat_prompt_ids(self, pool, f: _Fields) -> list[int]:
@@ -395,9 +399,23 @@ def _reject_unsupported(f: _Fields) -> None:
     for name in _UNSUPPORTED:
         if f.body.get(name):
             raise bad_request(name, "is not supported by kvmesh")
-    response_format = f.nested("response_format").string("type")
-    if response_format not in (None, "text"):
-        raise bad_request("response_format", f"only text is supported, got {response_format!r}")
+
+
+def _structured_output(f: _Fields) -> gen.StructuredOutput | None:
+    """`response_format`: text (None), json_object, or json_schema with its `json_schema.schema`
+    (enforced whether or not `strict` is set, as vLLM does)."""
+    response_format = f.nested("response_format")
+    kind = response_format.string("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return gen.StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise bad_request("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+    spec = response_format.nested("json_schema")
+    spec.flag("strict")
+    schema = spec.get("schema", (dict,), "a JSON Schema object", required=True)
+    return gen.StructuredOutput(json_schema=json.dumps(schema))
 
 
 def _generate_request(f: _Fields, max_tokens_name: str, default_max: int | None = None) -> gen.GenerateRequest:
@@ -418,6 +436,8 @@ def _sampling(f: _Fields) -> gen.SamplingParams:
         sampling.top_k = top_k
     if (seed := f.integer("seed", 0, 2**64 - 1)) is not None:
         sampling.seed = seed
+    if (structured := _structured_output(f)) is not None:
+        sampling.structured_output.CopyFrom(structured)
     return sampling
 
 

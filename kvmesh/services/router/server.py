@@ -16,7 +16,7 @@ import uuid
 
 import grpc
 
-from kvmesh import telemetry
+from kvmesh import grammar, telemetry
 from kvmesh.fleet.rollout import RolloutState
 from kvmesh.metrics import RouterMetrics
 from kvmesh.params import InvalidRequest, validate_request, validate_request_id
@@ -24,7 +24,7 @@ from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry, pool_of, ready_versions
-from kvmesh.services.router.pools import Pool, parse_models
+from kvmesh.services.router.pools import Pool, parse_models, served_names
 from kvmesh.services.router.stops import StopStringMatcher
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
 from kvmesh.tokenizer import IncrementalDetokenizer
@@ -59,8 +59,12 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.api_keys = cfg.api_key_set()
         self.metrics = metrics or RouterMetrics()
         self.tracer = telemetry.tracer("kvmesh.router")
-        self.pools: dict[str, Pool] = {name: Pool.load(name, folder) for name, folder in parse_models(cfg.model, cfg.model_name)}
+        served = served_names(parse_models(cfg.model, cfg.model_name), cfg.served_model_name)
+        self.pools: dict[str, Pool] = {name: Pool.load(name, folder, aliases) for name, folder, aliases in served}
         self.default_pool = next(iter(self.pools))
+        self._by_name = {n: p for p in self.pools.values() for n in (p.name, *p.aliases)}
+        for name in self.pools:
+            self.metrics.start(name)
         self.registry = registry
         self._seeds = random.Random()
 
@@ -98,11 +102,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             return None
 
     def pool_for(self, name: str) -> Pool:
-        """The pool clients call `name` ('' is the first one); RouterError(NOT_FOUND) if none."""
-        pool = self.pools.get(name or self.default_pool)
+        """The pool clients call `name`, by its name or an alias ('' is the first one); RouterError(NOT_FOUND) if none."""
+        pool = self._by_name.get(name or self.default_pool)
         if pool is None:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
-                              f"model {name!r} is not served here (served: {', '.join(repr(p) for p in self.pools)})")
+                              f"model {name!r} is not served here (served: {', '.join(repr(n) for n in self._by_name)})")
         return pool
 
     async def _ready_pool(self, pool: Pool, timeout: float | None) -> None:
@@ -152,6 +156,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         stopping = wire.stopping_from_proto(request.stopping)
         validate_request(ids, sampling, stopping, max_context=pool.model.max_position_embeddings,
                          vocab_size=pool.model.vocab_size)
+        if sampling.structured_output is not None:
+            await asyncio.to_thread(grammar.check, sampling.structured_output)  # a large schema takes a while
         submit = scheduler_pb2.SubmitRequest(
             request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
             sampling=request.sampling, stopping=wire.stopping_to_proto(stopping), priority=request.priority)
@@ -180,12 +186,18 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         ready (UNAVAILABLE) and a scheduler's error status, passed on as it came (retry hint included).
         Records the request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
         started = time.monotonic()
-        model = request.model or self.default_pool
-        model = model if model in self.pools else "unknown"  # a label per served pool only: bounded
+        pool = self._by_name.get(request.model or self.default_pool)
+        model = pool.name if pool is not None else "unknown"  # a label per served pool only: bounded
         self.metrics.in_flight.labels(model).inc()
+        finished = False
         try:
             async for out in self._generate(request, timeout, span, started):
+                finished = out.HasField("finish")
                 yield out
+        except (GeneratorExit, asyncio.CancelledError):  # the caller closed the stream: its client left
+            if not finished:
+                self.metrics.cancelled.labels(model).inc()
+            raise
         except RouterError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:  # unknown names would grow the label set without bound
                 self.metrics.failure.labels(model, e.code.name).inc()
@@ -239,7 +251,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                         queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
                         total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
                         worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version)
-                    self._record_finish(pool.name, finish, span)
+                    self._record_finish(pool.name, finish, submit.stopping.max_new_tokens, span)
                     out.finish.CopyFrom(finish)
                     yield out
                     return
@@ -249,13 +261,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         finally:
             call.cancel()  # no-op once finished; frees the request upstream when the client left
 
-    def _record_finish(self, model: str, f: gen.Finish, span: telemetry.Span) -> None:
+    def _record_finish(self, model: str, f: gen.Finish, max_tokens: int, span: telemetry.Span) -> None:
         m = self.metrics
         reason = gen.FinishReason.Name(f.reason).lower()
         m.success.labels(model, reason).inc()
         m.ttft.labels(model).observe(f.ttft_ms / 1000)
         m.e2e.labels(model).observe(f.total_ms / 1000)
         m.queue.labels(model).observe(f.queue_ms / 1000)
+        m.prefill_time.labels(model).observe(max(0.0, f.ttft_ms - f.queue_ms) / 1000)
+        m.decode_time.labels(model).observe(max(0.0, f.total_ms - f.ttft_ms) / 1000)
+        m.inference_time.labels(model).observe(max(0.0, f.total_ms - f.queue_ms) / 1000)
+        m.max_tokens.labels(model).observe(max_tokens)
         if f.completion_tokens > 1:
             m.tpot.labels(model).observe((f.total_ms - f.ttft_ms) / 1000 / (f.completion_tokens - 1))
         m.prompt_len.labels(model).observe(f.prompt_tokens)
@@ -299,7 +315,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     def model_infos(self) -> list[gen.ModelInfo]:
         """The pools with a ready worker, each with its versions and their share of traffic."""
-        return [gen.ModelInfo(name=p.name, ready_workers=p.ready_workers, max_context=p.model.max_position_embeddings,
+        return [gen.ModelInfo(name=p.name, aliases=p.aliases, ready_workers=p.ready_workers,
+                              max_context=p.model.max_position_embeddings,
                               versions=[gen.ModelVersion(version=v, ready_workers=n, traffic_percent=p.traffic_percent(v))
                                         for v, n in sorted(p.versions.items())])
                 for p in self.pools.values() if p.ready]

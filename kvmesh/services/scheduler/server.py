@@ -58,7 +58,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.registry = registry
         self.identity = identity  # mTLS to workers and kvcache when set
         self.kvcaches = RegisteredPeers(identity, "kvcache")
-        self.metrics = metrics or SchedulerMetrics()
+        self.metrics = metrics or SchedulerMetrics(model_name=cfg.pool)
         self.tracer = telemetry.tracer("kvmesh.scheduler")
         self.workers: dict[str, WorkerLoop] = {}
         self.placement = PlacementConfig(cfg.worker_choice, cfg.prefill_weight, cfg.load_weight,

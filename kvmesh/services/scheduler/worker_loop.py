@@ -59,9 +59,8 @@ class WorkerLoop:
         # Cumulative seconds per part of a step: scheduling, the worker's forward pass, the rest
         # of the round trip (wire and (de)serialisation), and applying the result.
         self.timing = {"steps": 0, "schedule_s": 0.0, "forward_s": 0.0, "wire_s": 0.0, "update_s": 0.0}
-        self.metrics = metrics
-        self._step_hist, self._batch_hist, self._tokens_hist = (
-            h.labels(self.worker_id) for h in (metrics.step, metrics.batch_size, metrics.step_tokens))
+        self.metrics = metrics.worker(self.worker_id)
+        self._step_hist, self._batch_hist, self._tokens_hist = self.metrics.step, self.metrics.batch_size, self.metrics.step_tokens
         self._preemptions_seen = 0
 
     def view(self, hashes: list[bytes]) -> WorkerView:
@@ -199,18 +198,18 @@ class WorkerLoop:
         for new in plan.new:
             req = self.core.requests.get(new.seq_id)
             if req is not None and req.num_preemptions == 0:
-                m.prefix_queries.labels(self.worker_id).inc(len(req.prompt_token_ids))
-                m.prefix_hits.labels(self.worker_id).inc(req.num_cached_prompt_tokens)
+                m.prefix_queries.inc(len(req.prompt_token_ids))
+                m.prefix_hits.inc(req.num_cached_prompt_tokens)
         if self.core.num_preemptions != self._preemptions_seen:
-            m.preemptions.labels(self.worker_id).inc(self.core.num_preemptions - self._preemptions_seen)
+            m.preemptions.inc(self.core.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = self.core.num_preemptions
 
     def publish_metrics(self, waiting_tokens: int) -> None:
-        m, w = self.metrics, self.worker_id
-        m.running.labels(w).set(len(self.core.running))
-        m.waiting.labels(w).set(len(self.core.waiting))
-        m.token_queue.labels(w).set(waiting_tokens)
-        m.orphaned_pages.labels(w).set(self.pages_held_by_finished())
+        m = self.metrics
+        m.running.set(len(self.core.running))
+        m.waiting.set(len(self.core.waiting))
+        m.token_queue.set(waiting_tokens)
+        m.orphaned_pages.set(self.pages_held_by_finished())
 
     def pages_held_by_finished(self) -> int:
         """Pages in tables of sequences the core no longer tracks (neither requests nor a padded

@@ -5,6 +5,10 @@ forward pass over the flattened batch (decode tokens and prefill chunks together
 every sequence the step brings level with its known tokens. No I/O: the gRPC adapter and the
 in-process engine both call it.
 
+A sequence with structured output samples under its grammar (kvmesh.grammar), started when the
+sequence is added and replayed over the output it already has, so a recomputed sequence continues
+where it was. The model's grammars (its tokenizer.json) are built on the first such sequence.
+
 It trusts no plan: a new sequence with a token outside the vocabulary, a page outside the pool or
 sampling values outside their limits, a chunk it cannot run, or a row the sampler cannot draw
 fails that sequence alone (`StepResult.failed`, with the reason); the step goes on for the rest.
@@ -12,12 +16,14 @@ fails that sequence alone (`StepResult.failed`, with the reason); the step goes 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from kvmesh.grammar import Grammars
 from kvmesh.kernels.attention import SequenceSlice, causal_mask
 from kvmesh.params import InvalidRequest, validate_sampling
 from kvmesh.services.worker.model import BatchInput, CausalLM
@@ -94,19 +100,36 @@ class ModelRunner:
         self.pool = KVPool(model, num_pages, page_size)
         self.seqs: dict[str, SequenceState] = {}
 
-    def _add(self, new: NewSequence) -> None:
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The model's grammars; ValueError when its folder (or tokenizer.json) is unknown."""
+        cfg = self.model.cfg
+        try:
+            return Grammars.from_folder(self.model.folder, cfg.vocab_size, list(cfg.eos_token_ids))
+        except (TypeError, OSError) as e:
+            raise ValueError(f"structured_output: the model's tokenizer.json cannot be read ({e})") from None
+
+    def _add(self, new: NewSequence) -> str | None:
+        """Adds the sequence; why not, when its grammar cannot start."""
         prompt = new.token_ids[: new.num_prompt_tokens]
         output = list(new.token_ids[new.num_prompt_tokens :])
+        row = SamplingRow(new.sampling, prompt, output)
+        if new.sampling.structured_output is not None:
+            try:
+                row.grammar = self.grammars.start(new.sampling.structured_output, output)
+            except ValueError as e:
+                return str(e)
         self.seqs[new.seq_id] = SequenceState(
             seq_id=new.seq_id,
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
-            sampling_row=SamplingRow(new.sampling, prompt, output),
+            sampling_row=row,
             page_ids=[],
             num_computed_tokens=new.num_computed_tokens,
             page_size=self.page_size,
         )
         self.seqs[new.seq_id].extend(new.page_ids)
+        return None
 
     def _new_sequence_problem(self, new: NewSequence) -> str | None:
         """Why this worker cannot take the new sequence, or None."""
@@ -202,9 +225,7 @@ class ModelRunner:
         for seq_id in plan.dropped:
             self.seqs.pop(seq_id, None)
         for new in plan.new:
-            if (problem := self._new_sequence_problem(new)) is None:
-                self._add(new)
-            else:
+            if (problem := self._new_sequence_problem(new) or self._add(new)) is not None:
                 failed[new.seq_id] = problem
         chunks = self._runnable(plan.scheduled, failed)
         if not chunks:
@@ -219,7 +240,10 @@ class ModelRunner:
                 failed[state.seq_id] = failures[i]
                 del self.seqs[state.seq_id]
                 continue
+            if (refused := state.sampling_row.accept(token_id)) is not None:
+                failed[state.seq_id] = refused
+                del self.seqs[state.seq_id]
+                continue
             state.token_ids.append(token_id)
-            state.sampling_row.output_ids.append(token_id)
             out.append(SampledToken(state.seq_id, token_id, logprob))
         return StepResult(tokens=out, forward_s=time.perf_counter() - started, failed=failed)
