@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import re
+import typing
 from dataclasses import dataclass
 
 # Variables read outside service configs (the model cache folder).
@@ -29,10 +30,15 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
 
 
+def field_type(cls: type, name: str) -> type:
+    """The type of a config field (annotations are strings under `from __future__ import annotations`)."""
+    return typing.get_type_hints(cls)[name]
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds one flag per field of the config dataclass `cls`."""
     for f in dataclasses.fields(cls):
-        kind = f.type if isinstance(f.type, type) else eval(f.type, {}, {})  # fields use plain builtins
+        kind = field_type(cls, f.name)
         parse = _parse_bool if kind is bool else kind
         default = f.default
         env = os.environ.get(env_name(f.name))
