@@ -49,6 +49,12 @@ class RouterMetrics:
         self.failure = Counter("kvmesh_request_failure", "Requests that ended with a gRPC error, by status code.",
                                (*m, "code"), registry=registry)
         self.in_flight = Gauge("kvmesh_requests_in_flight", "Streams open at the router.", m, registry=registry)
+        # Per API key: labelled by the key's id, never the key (ids come from the keys file: bounded).
+        self.key_requests = Counter("kvmesh_api_key_requests", "Requests per API key id, by outcome: admitted, or "
+                                    "refused by requests_per_s, tokens_per_min or max_concurrent.",
+                                    ("key_id", "outcome"), registry=registry)
+        self.key_tokens = Counter("kvmesh_api_key_tokens", "Prompt and output tokens charged to an API key id.",
+                                  ("key_id",), registry=registry)
 
 
 class SchedulerMetrics:

@@ -3,10 +3,12 @@
 import asyncio
 import json
 import os
+import socket
 import time
 
 import grpc
 
+from kvmesh.services.children import redis_child
 from kvmesh.services.launcher import free_port, launch, stop
 from kvmesh.services.registry import QUEUE_STATE_PATTERN
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
@@ -104,3 +106,16 @@ async def wait_idle(addr, timeout=10):
         if all(w.used_pages == 0 for w in workers) or time.monotonic() > deadline:
             return workers
         await asyncio.sleep(0.1)
+
+
+def start_redis(port: int, folder: str, *extra: str):
+    """A redis-server with `extra` settings, once its port accepts connections: its process."""
+    child = redis_child(port, folder, *extra)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return child.process
+        assert child.process.poll() is None, child.last_lines()
+        time.sleep(0.05)
+    raise TimeoutError(f"redis-server did not listen on {port}")
