@@ -16,6 +16,7 @@ import urllib.request
 import grpc
 import pytest
 
+from kvmesh.services.scheduler.overload import ADMISSION_HEADROOM, Throughput, estimated_wait_s, overload_retry_s
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from local_mesh import Mesh, wait_idle
@@ -23,6 +24,25 @@ from local_mesh import Mesh, wait_idle
 REQUESTS = 300
 PROMPT_TOKENS, OUTPUT_TOKENS = 300, 32
 MAX_QUEUE_WAIT_S = 10
+
+
+def test_throughput_is_measured_over_the_recent_steps_only():
+    meter = Throughput(window=2)
+    assert meter.tokens_per_s is None  # nothing measured: nothing is refused on a guess
+    meter.record(100, 1.0)
+    meter.record(300, 1.0)
+    assert meter.tokens_per_s == 200.0
+    meter.record(500, 1.0)  # the first step leaves the window
+    assert meter.tokens_per_s == 400.0
+    assert estimated_wait_s(2000, meter.tokens_per_s) == 5.0 and estimated_wait_s(2000, None) == 0.0
+
+
+def test_a_request_is_refused_when_its_estimated_wait_is_over_the_headroom_of_the_limit():
+    limit = 10.0
+    assert overload_retry_s(ADMISSION_HEADROOM * limit, limit) is None  # at the edge: admitted
+    assert overload_retry_s(8.0, limit) == pytest.approx(8.0 - ADMISSION_HEADROOM * limit)  # when it would be admitted
+    assert overload_retry_s(5.2, limit) == 1.0  # a hint of at least a second
+    assert overload_retry_s(10_000.0, 0.0) is None  # no queue-wait limit: no overload refusal either
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +61,15 @@ def long_request(seed):
 
 
 async def outcome(stub, request):
-    """('completed' | 'refused' | 'error' | other status, seconds until the answer, tokens streamed, details)."""
+    """('completed' | 'refused' | 'error' | other status, seconds (in the queue when completed, else until
+    the answer), tokens streamed, details)."""
     started, tokens = time.monotonic(), 0
     try:
         async for response in stub.Generate(request, timeout=120):
             tokens += len(response.tokens)
             if response.HasField("finish"):
                 kind = "completed" if response.finish.reason == gen.LENGTH else "error"
-                return kind, time.monotonic() - started, tokens, response.finish.message
+                return kind, response.finish.queue_ms / 1000, tokens, response.finish.message
     except grpc.aio.AioRpcError as e:
         hint = dict(e.trailing_metadata() or ()).get("retry-after")
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and hint and int(hint) >= 1:
@@ -89,12 +110,14 @@ def test_300_long_requests_on_one_small_worker_complete_or_are_refused_with_a_hi
     print(f"\noverload figure: {REQUESTS} requests ({PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} output tokens) on one "
           f"worker: {kinds.count('completed')} completed, {len(refused)} refused with a retry hint "
           f"({len(at_submit)} at submit, answered in at most {max((r[1] for r in at_submit), default=0):.2f} s; "
-          f"{len(refused) - len(at_submit)} after waiting {MAX_QUEUE_WAIT_S} s), "
+          f"{len(refused) - len(at_submit)} after waiting {MAX_QUEUE_WAIT_S} s; the completed waited at most "
+          f"{max(r[1] for r in results if r[0] == 'completed'):.1f} s to start), "
           f"{sum(k not in ('completed', 'refused') for k in kinds)} ERROR or other; probe: gRPC {grpc_probe[0]} in "
           f"{grpc_probe[1]:.2f} s, HTTP {http_status} in {http_s:.2f} s")
     assert set(kinds) <= {"completed", "refused"}, [r for r in results if r[0] not in ("completed", "refused")][:3]
     assert all(tokens == 0 for kind, _, tokens, _ in refused)  # refused before anything was streamed
     assert kinds.count("completed") > 0 and at_submit, "the overload was not refused up front"
+    assert len(at_submit) == len(refused), "some requests were admitted but could not start in time"
     assert grpc_probe[0] in ("completed", "refused")
     assert http_status == 200 or (http_status == 429 and int(http_headers["Retry-After"]) >= 1), (http_status, http_headers)
     assert all(w.used_pages == 0 for w in idle)  # every request, served or refused, gave its pages back
