@@ -3,17 +3,19 @@ Submit with a retry hint, instead of waiting in the queue and failing late.
 
 A worker's wait for a new request is estimated as the tokens queued ahead of it (prompt still to
 compute plus output still to come, of every waiting request) over the tokens per second the
-worker has computed in its recent steps. A request is admitted while that estimate is within
-ADMISSION_HEADROOM of the queue-wait limit, so that a dip in throughput to half still lets the
-admitted requests start in time; a request that waits past the limit all the same is refused
-then, never started, with the same hint (RESOURCE_EXHAUSTED, not an ERROR finish).
+worker has computed in its recent steps, or as the longest a waiting request has waited so far
+when that is more (the queue's own sojourn time catches a machine that slowed down after the
+estimate). A request is admitted while the estimate is within ADMISSION_HEADROOM of the
+queue-wait limit, so that a dip in throughput to a third still lets the admitted requests start
+in time; a request that waits past the limit all the same is refused then, never started, with the
+same hint (RESOURCE_EXHAUSTED, not an ERROR finish).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-ADMISSION_HEADROOM = 0.5
+ADMISSION_HEADROOM = 1 / 3
 MIN_RETRY_S = 1.0
 
 

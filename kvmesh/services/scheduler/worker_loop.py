@@ -78,8 +78,16 @@ class WorkerLoop:
         return WorkerView(self.worker_id, held, remaining / self.pool.page_size, stats.used + stats.cached)
 
     def estimated_wait_s(self) -> float:
-        """Seconds until a request queued now would start: the waiting requests' tokens over recent throughput."""
-        return estimated_wait_s(sum(self.estimated_tokens(r) for r in self.core.waiting), self.throughput.tokens_per_s)
+        """Seconds until a request queued now would start: the waiting requests' tokens over recent
+        throughput, or the longest a waiting request has waited so far if more (a queue moving
+        slower than the estimate, the machine slowed down, shows there)."""
+        now = time.monotonic()
+        tokens, oldest = 0, now
+        for r in self.core.waiting:
+            tokens += self.estimated_tokens(r)
+            if r.first_scheduled_time is None:
+                oldest = min(oldest, r.arrival_time)
+        return max(estimated_wait_s(tokens, self.throughput.tokens_per_s), now - oldest)
 
     def estimated_tokens(self, r: Request) -> int:
         """Tokens still to compute (prompt not yet computed nor expected from the cache) or to generate."""
