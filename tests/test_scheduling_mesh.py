@@ -76,9 +76,10 @@ def test_running_streams_keep_producing_while_a_long_prompt_is_prefilled_in_chun
 
 @pytest.fixture(scope="module")
 def one_slot_mesh(model_dir):
-    # One running request at a time, no aging, at most 3 waiting, 2.5 s at most in the queue.
+    # One running request at a time, no aging, at most 3 waiting, 6 s at most in the queue (and new
+    # requests refused as overloaded once one has waited a third of that: 2 s, which the tests stay under).
     m = Mesh(model_dir, workers=1, extra_scheduler=["--max-num-seqs", "1", "--aging-s", "0",
-                                                    "--max-queue-len", "3", "--max-queue-wait-s", "2.5"])
+                                                    "--max-queue-len", "3", "--max-queue-wait-s", "6"])
     yield m
     m.close()
 
