@@ -108,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # (the rest: --SERVICE-arg).
 UP_SETTINGS = {"scheduler": ("max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "victim_policy", "batching"),
                "worker": ("kv_memory_mib", "dtype", "threads", "page_size"),
-               "router": ("api_keys", "served_model_name")}
+               "router": ("api_keys", "api_keys_file", "served_model_name")}
 
 
 def add_up_service_flags(p: argparse.ArgumentParser) -> None:

@@ -77,6 +77,12 @@ class RouterMetrics:
                                         m, buckets=REQUEST_BUCKETS, registry=registry)
         self.max_tokens = Histogram("kvmesh_request_params_max_tokens", "max_tokens (max_new_tokens) of finished requests.",
                                     m, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        # Per API key: labelled by the key's id, never the key (ids come from the keys file: bounded).
+        self.key_requests = Counter("kvmesh_api_key_requests", "Requests per API key id, by outcome: admitted, or "
+                                    "refused by requests_per_s, tokens_per_min or max_concurrent.",
+                                    ("key_id", "outcome"), registry=registry)
+        self.key_tokens = Counter("kvmesh_api_key_tokens", "Prompt and output tokens charged to an API key id.",
+                                  ("key_id",), registry=registry)
 
     def start(self, model: str) -> None:
         """Creates `model`'s series at 0 (counters, histograms and gauges), so they are scraped before any request."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kvmesh.params import SamplingParams, StoppingParams, StructuredOutput
 from kvmesh.step import NewSequence, SampledToken, ScheduledChunk, StepPlan, StepResult
 from kvmesh.v1 import generation_pb2 as gen
@@ -91,3 +93,9 @@ def result_from_proto(m: wk.StepResult) -> StepResult:
     reasons = list(m.failure_reasons) + [""] * (len(m.failed) - len(m.failure_reasons))
     return StepResult([SampledToken(t.seq_id, t.token_id, t.logprob) for t in m.tokens], m.forward_ms / 1000,
                       dict(zip(m.failed, reasons)))
+
+
+def retry_hint(seconds: float) -> tuple[tuple[str, str], ...]:
+    """gRPC trailing metadata telling a caller refused for load or a limit when to try again:
+    `retry-after` in whole seconds (as HTTP's header) and `retry-after-ms`."""
+    return (("retry-after", str(max(1, math.ceil(seconds)))), ("retry-after-ms", str(int(seconds * 1000))))

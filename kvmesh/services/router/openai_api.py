@@ -13,7 +13,9 @@ ending in `data: [DONE]`, plus a usage chunk with empty choices when
 `{"error": {"message", "type", "param", "code"}}`: 400 bad input (`param` names the field), 401
 missing or wrong API key, 404 unknown model, 413 a body over max_request_bytes, 415 a body that is
 not `Content-Type: application/json` (so a browser page cannot post one cross-site as a form or
-text/plain), 429 queue full (with Retry-After), 503 nothing ready. JSON nested deeper than
+text/plain), 429 (with Retry-After and retry-after-ms) when the API key is over one of its limits
+or the pool is overloaded (its queue is full, or could not start the request within the scheduler's
+max_queue_wait_s), 503 nothing ready. JSON nested deeper than
 MAX_JSON_DEPTH is a 400, as is a prompt over max_prompt_chars (checked before tokenizing, which
 runs off the event loop).
 An error after a stream has started is one `data: {"error": ...}` event, then `[DONE]`. A traced
@@ -240,16 +242,17 @@ class OpenAIApi:
 
     async def models(self, http: web.Request) -> web.Response:
         """The model pools that have a ready worker, one card per name each answers to (as the gRPC ListModels)."""
-        if (refused := self._unauthorized(http)) is not None:
-            return refused
+        try:
+            self._key(http)
+        except RouterError as e:
+            return api_error(e, {}).response({})
         data = [self._model_card(p, name) for p in self.service.pools.values() if p.ready for name in (p.name, *p.aliases)]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, http: web.Request) -> web.Response:
         """A served model's card; 404 for any other name."""
-        if (refused := self._unauthorized(http)) is not None:
-            return refused
         try:
+            self._key(http)
             pool = self.service.pool_for(http.match_info["model"])
         except RouterError as e:
             return api_error(e, {}).response({})
@@ -260,34 +263,29 @@ class OpenAIApi:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "kvmesh", "root": pool.name,
                 "max_model_len": pool.model.max_position_embeddings}
 
-    def _unauthorized(self, http: web.Request) -> web.Response | None:
-        try:
-            self.service.check_api_key(http.headers.get("Authorization"))
-        except RouterError as e:
-            return api_error(e, {}).response({})
-        return None
+    def _key(self, http: web.Request):
+        """The caller's API key limits (None when keys are off); RouterError(UNAUTHENTICATED) when wrong."""
+        return self.service.check_api_key(http.headers.get("Authorization"))
 
     async def _serve(self, http: web.Request, shape, translate) -> web.StreamResponse:
         span = self.service.open_span([(key.lower(), value) for key, value in http.headers.items()])
         trace_id = telemetry.trace_id_hex(span)
         headers = {"kvmesh-trace-id": trace_id} if trace_id else {}
         try:
-            if (refused := self._unauthorized(http)) is not None:
-                refused.headers.update(headers)
-                return refused
+            key = self._key(http)
             call = await translate(_Fields(await _json_object(http, self.service.cfg.max_request_bytes)))
-            return await self._run(http, shape, call, span, headers)
+            return await self._run(http, shape, call, span, headers, key)
         except ApiError as e:
             return e.response(headers)
-        except RouterError as e:  # an unknown model while translating a chat request
+        except RouterError as e:  # a wrong API key; an unknown model while translating a chat request
             return api_error(e, {}).response(headers)
         except InvalidRequest as e:  # a chat message the tokenizer refuses (a role, the size)
             return ApiError(400, str(e), param=e.field).response(headers)
         finally:
             span.end()
 
-    async def _run(self, http, shape, call: _Call, span, headers: dict[str, str]) -> web.StreamResponse:
-        stream = self.service.generate(call.request, None, span)
+    async def _run(self, http, shape, call: _Call, span, headers: dict[str, str], key) -> web.StreamResponse:
+        stream = self.service.generate(call.request, None, span, key)
         try:
             if call.stream:
                 return await self._stream(http, shape, call, stream, headers)

@@ -8,9 +8,9 @@ and ends every stream with a `finish` carrying reason, usage and timings. Only t
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import random
+import signal
 import time
 import uuid
 
@@ -24,6 +24,7 @@ from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry, pool_of, ready_versions
+from kvmesh.services.router.limits import Admission, KeyLimiter, KeyLimits, LimitExceeded
 from kvmesh.services.router.pools import Pool, parse_models, served_names
 from kvmesh.services.router.stops import StopStringMatcher
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
@@ -47,16 +48,18 @@ class RouterError(Exception):
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
-    """Generate, ListModels, Tokenize. Errors: INVALID_ARGUMENT naming the field and the limit
-    (also for a message that does not decode), RESOURCE_EXHAUSTED for a message over
-    max_request_bytes, NOT_FOUND for an unknown model, UNAVAILABLE while no scheduler or worker
-    is ready; a scheduler's error status is passed on as it came."""
+    """Generate, ListModels, Tokenize. Errors: UNAUTHENTICATED without a configured API key,
+    INVALID_ARGUMENT naming the field and the limit (also for a message that does not decode),
+    RESOURCE_EXHAUSTED for a message over max_request_bytes and for a request over its key's limits
+    (with the `retry-after` hint, limits.py), NOT_FOUND for an unknown model, UNAVAILABLE while no
+    scheduler or worker is ready; a scheduler's error status is passed on as it came."""
 
-    def __init__(self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics | None = None,
+    def __init__(self, cfg: RouterConfig, registry: Registry, limiter: KeyLimiter, metrics: RouterMetrics | None = None,
                  identity: MeshIdentity | None = None):
         self.cfg = cfg
         self.schedulers = RegisteredPeers(identity, "scheduler")  # mTLS to them when the mesh has an identity
-        self.api_keys = cfg.api_key_set()
+        self.keys = cfg.key_book()
+        self.limiter = limiter
         self.metrics = metrics or RouterMetrics()
         self.tracer = telemetry.tracer("kvmesh.router")
         served = served_names(parse_models(cfg.model, cfg.model_name), cfg.served_model_name)
@@ -166,32 +169,78 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         submit.version = pool.version_for(submit.request_id)
         return submit
 
-    def check_api_key(self, authorization: str | None) -> None:
-        """Raises RouterError(UNAUTHENTICATED) when API keys are configured and `authorization` is not one."""
-        if not self.api_keys:
-            return
+    def check_api_key(self, authorization: str | None) -> KeyLimits | None:
+        """The limits of the caller's key, None when no keys are configured; RouterError(UNAUTHENTICATED)
+        when keys are configured and `authorization` is not `Bearer <one of them>`."""
+        if not self.keys.enabled:
+            return None
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip(), k) for k in self.api_keys):
+        limits = self.keys.find(key.strip()) if scheme.lower() == "bearer" else None
+        if limits is None:
             raise RouterError(grpc.StatusCode.UNAUTHENTICATED,
                               "missing or wrong API key: send `authorization: Bearer <key>`")
+        return limits
+
+    async def watch_keys(self) -> None:
+        """Reads the keys file again when it changes (checked every second) or on SIGHUP."""
+        if not self.keys.path:
+            return
+        changed = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, changed.set)
+        while True:
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+            self.keys.reload(force=changed.is_set())
+            changed.clear()
+
+    async def _admit(self, key: KeyLimits | None, span: telemetry.Span) -> Admission | None:
+        """Takes the request's place under its key's requests/s and in-flight limits."""
+        if key is None:
+            return None
+        span.set_attribute("kvmesh.api_key_id", key.id)
+        try:
+            admission = await self.limiter.admit(key)
+        except LimitExceeded as e:
+            raise self._refused(key, e) from None
+        self.metrics.key_requests.labels(key.id, "admitted").inc()
+        return admission
+
+    async def _take_prompt(self, admission: Admission | None, prompt_tokens: int) -> None:
+        if admission is None:
+            return
+        try:
+            await self.limiter.take_prompt(admission.key, prompt_tokens)
+        except LimitExceeded as e:
+            raise self._refused(admission.key, e) from None
+        self.metrics.key_tokens.labels(admission.key.id).inc(prompt_tokens)
+
+    def _refused(self, key: KeyLimits, e: LimitExceeded) -> RouterError:
+        self.metrics.key_requests.labels(key.id, e.limit).inc()
+        hint = wire.retry_hint(e.retry_after_s) if e.retry_after_s is not None else ()
+        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), hint)
 
     def open_span(self, metadata) -> telemetry.Span:
         """The request's `kvmesh.generate` span, a child of the caller's `traceparent` when there is one."""
         return self.tracer.start_span("kvmesh.generate", context=telemetry.context_from_metadata(metadata),
                                       kind=telemetry.SpanKind.SERVER)
 
-    async def generate(self, request, timeout: float | None, span: telemetry.Span):
+    async def generate(self, request, timeout: float | None, span: telemetry.Span, key: KeyLimits | None = None):
         """Streams GenerateResponse messages for one request; the last one carries `finish`.
         Raises RouterError for bad input (INVALID_ARGUMENT), an unknown model (NOT_FOUND), nothing
-        ready (UNAVAILABLE) and a scheduler's error status, passed on as it came (retry hint included).
-        Records the request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
+        ready (UNAVAILABLE), a request over `key`'s limits (RESOURCE_EXHAUSTED with a retry hint)
+        and a scheduler's error status, passed on as it came (retry hint included). Records the
+        request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
         started = time.monotonic()
         pool = self._by_name.get(request.model or self.default_pool)
         model = pool.name if pool is not None else "unknown"  # a label per served pool only: bounded
         self.metrics.in_flight.labels(model).inc()
         finished = False
+        admission = None
         try:
-            async for out in self._generate(request, timeout, span, started):
+            admission = await self._admit(key, span)
+            async for out in self._generate(request, timeout, span, started, admission):
                 finished = out.HasField("finish")
                 yield out
         except (GeneratorExit, asyncio.CancelledError):  # the caller closed the stream: its client left
@@ -205,13 +254,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             self.metrics.in_flight.labels(model).dec()
+            if admission is not None:
+                await self.limiter.finish(admission)
+                self.metrics.key_tokens.labels(admission.key.id).inc(admission.output_tokens)
 
-    async def _generate(self, request, timeout, span, started):
+    async def _generate(self, request, timeout, span, started, admission: Admission | None):
         pool = self.pool_for(request.model)
         try:
             submit = await self._validated(pool, request)
         except InvalidRequest as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field) from None
+        await self._take_prompt(admission, len(submit.prompt_token_ids))
         if not pool.ready:
             waited = time.monotonic()
             await self._ready_pool(pool, timeout)
@@ -260,6 +313,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise RouterError(e.code(), e.details() or "scheduler error", tuple(e.trailing_metadata() or ())) from None
         finally:
             call.cancel()  # no-op once finished; frees the request upstream when the client left
+            if admission is not None:
+                admission.output_tokens = completion
 
     def _record_finish(self, model: str, f: gen.Finish, max_tokens: int, span: telemetry.Span) -> None:
         m = self.metrics
@@ -290,17 +345,19 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         trace id). The trace id is also sent first, as `kvmesh-trace-id` response metadata."""
         metadata = context.invocation_metadata()
         span = self.open_span(metadata)
-        stream = self.generate(request, context.time_remaining(), span)
+        stream = None
         try:
             if trace_id := telemetry.trace_id_hex(span):
                 await context.send_initial_metadata((("kvmesh-trace-id", trace_id),))
-            self.check_api_key(dict(metadata or ()).get("authorization"))
+            key = self.check_api_key(dict(metadata or ()).get("authorization"))
+            stream = self.generate(request, context.time_remaining(), span, key)
             async for out in stream:
                 yield out
         except RouterError as e:
             await context.abort(e.code, e.message, e.trailing)
         finally:
-            await stream.aclose()  # at once, so a client that left frees its request upstream now
+            if stream is not None:
+                await stream.aclose()  # at once, so a client that left frees its request upstream now
             span.end()
 
     async def _authorized(self, context) -> None:
@@ -338,7 +395,8 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
 
     telemetry.setup_tracing("router")
     registry = Registry(common.redis_url)
-    service = RouterService(cfg, registry, identity=mesh_identity(common))
+    limiter = KeyLimiter(common.redis_url)
+    service = RouterService(cfg, registry, limiter, identity=mesh_identity(common))
     # The public ports: TLS only with a certificate of their own (the mesh's mTLS is for internal calls).
     server = ServiceServer(["kvmesh.v1.Generation"], lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s),
                            common.host, cfg.port, public_server_credentials(cfg.tls_cert, cfg.tls_key),
@@ -359,7 +417,7 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
             ready.set()
             print(f"router ready on {address} (HTTP {http_address or 'off'})", flush=True)
 
-    discovery = asyncio.create_task(service.discover(on_ready))
-    cleanups = (http[0].cleanup,) if http else ()
+    tasks = tuple(asyncio.create_task(t) for t in (service.discover(on_ready), service.watch_keys(), limiter.renew_leases()))
+    cleanups = (*((http[0].cleanup,) if http else ()), limiter.close)
     await serve_until_stopped(server, registry, "router", address, {"address": address, "http": http_address},
-                              tasks=(discovery,), serving=False, cleanups=cleanups)
+                              tasks=tasks, serving=False, cleanups=cleanups)
