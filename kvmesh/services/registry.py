@@ -23,6 +23,8 @@ import time
 from typing import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from kvmesh.services.redis_client import connect
 
@@ -168,8 +170,10 @@ class Registry:
     (then runs the `on_restore` callbacks, which write this process's other facts again)."""
 
     def __init__(self, redis_url: str, lease_s: float = 6.0):
-        # Timeouts: a Redis that hangs must not hang a loop that serves from its last read.
-        self.redis = connect(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        # Timeouts: a Redis that hangs must not hang a loop that serves from its last read. One
+        # retry on a broken connection: after a Redis restart every pooled connection is stale.
+        self.redis = connect(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                             retry=Retry(NoBackoff(), 1), retry_on_error=[aioredis.ConnectionError])
         self.lease_s = lease_s
         self.outage = RedisOutage(cap_s=lease_s / 3)
         self.on_restore: list[Callable[[], Awaitable[None]]] = []
