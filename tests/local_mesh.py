@@ -17,16 +17,18 @@ from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 class Mesh:
     """What `kvmesh up` starts (with its own redis-server unless given `redis_url`), with 4 MiB of KV
-    per worker unless overridden; `tls` (a launcher.MeshTLS) as `kvmesh up --tls` has it."""
+    per worker unless overridden; `tls` (a launcher.MeshTLS) as `kvmesh up --tls` has it;
+    `schedulers` per pool as `kvmesh up --schedulers`."""
 
     def __init__(self, model_dir, workers=2, extra_worker=(), extra_scheduler=(), extra_router=(), env=None,
-                 redis_url=None, tls=None):
+                 redis_url=None, tls=None, schedulers=1):
         self.port = free_port()
         model = model_dir if isinstance(model_dir, list) else str(model_dir)  # a list: [(pool, folder)]
         self.children, self.redis, self.redis_url = launch(model, workers, redis_url, self.port,
                                                            extra_worker=["--kv-memory-mib", "4", *extra_worker],
                                                            extra_scheduler=list(extra_scheduler),
-                                                           extra_router=list(extra_router), env=env, tls=tls)
+                                                           extra_router=list(extra_router), env=env, tls=tls,
+                                                           schedulers=schedulers)
         self.addr = f"127.0.0.1:{self.port}"
         self.kvcache_addr = next(c.address for c in self.children if c.name == "kvcache")
 

@@ -163,6 +163,7 @@ class SchedulerServiceConfig:
     health_check_failures: int = dataclasses.field(default=3, metadata=_help("consecutive failed checks that drain and replace a worker"))
     memory_limit_fraction: float = dataclasses.field(default=0.95, metadata=_help("memory check: fail above this fraction of the worker's memory (device memory on CUDA)"))
     admission_ramp_s: float = dataclasses.field(default=10.0, metadata=_help("a worker that joins later takes up to max_num_seqs over this long (0: at once)"))
+    worker_lease_s: float = dataclasses.field(default=2.0, metadata=_help("TTL of this scheduler's lease on each worker it owns (renewed every third); a dead scheduler's workers are adopted by the pool's other schedulers about this long after its death"))
     autoscale_tokens_per_worker: int = dataclasses.field(default=4000, metadata=_help("autoscaling: estimated queued tokens one worker absorbs"))
     autoscale_ttft_slo_s: float = dataclasses.field(default=2.0, metadata=_help("autoscaling: add a worker while TTFT p95 is above this"))
     autoscale_rate_per_worker: float = dataclasses.field(default=1.0, metadata=_help("autoscaling: requests/s one worker sustains"))
@@ -201,6 +202,8 @@ class SchedulerServiceConfig:
             raise ValueError(f"memory_limit_fraction must be in (0, 1], got {self.memory_limit_fraction}")
         if self.admission_ramp_s < 0:
             raise ValueError(f"admission_ramp_s must be >= 0, got {self.admission_ramp_s}")
+        if not 0.3 <= self.worker_lease_s <= 60:
+            raise ValueError(f"worker_lease_s must be in [0.3, 60], got {self.worker_lease_s}")
         self.autoscale_policy()
 
     def autoscale_policy(self):

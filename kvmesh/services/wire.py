@@ -9,6 +9,10 @@ from kvmesh.step import NewSequence, SampledToken, ScheduledChunk, StepPlan, Ste
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import worker_pb2 as wk
 
+# A Step stream's metadata: the scheduler's lease token on the worker (fencing) and its id.
+LEASE_TOKEN_METADATA = "kvmesh-lease-token"
+SCHEDULER_METADATA = "kvmesh-scheduler"
+
 
 def sampling_from_proto(m: gen.SamplingParams) -> SamplingParams:
     return SamplingParams(

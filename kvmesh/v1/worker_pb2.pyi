@@ -78,7 +78,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "num_pages", "page_size", "max_context", "vocab_size", "eos_token_ids", "epoch", "pool", "version", "check_prompt", "check_answer", "memory_used_bytes", "memory_total_bytes")
+    __slots__ = ("worker_id", "model", "num_pages", "page_size", "max_context", "vocab_size", "eos_token_ids", "epoch", "pool", "version", "check_prompt", "check_answer", "memory_used_bytes", "memory_total_bytes", "lease_token", "owner")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class WorkerInfo(_message.Message):
     CHECK_ANSWER_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     num_pages: int
@@ -107,4 +109,6 @@ class WorkerInfo(_message.Message):
     check_answer: _containers.RepeatedScalarFieldContainer[int]
     memory_used_bytes: int
     memory_total_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., pool: _Optional[str] = ..., version: _Optional[str] = ..., check_prompt: _Optional[_Iterable[int]] = ..., check_answer: _Optional[_Iterable[int]] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+    lease_token: int
+    owner: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., pool: _Optional[str] = ..., version: _Optional[str] = ..., check_prompt: _Optional[_Iterable[int]] = ..., check_answer: _Optional[_Iterable[int]] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., lease_token: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...

@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from kvmesh.fleet.canary import choose_version
 from kvmesh.fleet.rollout import RolloutState, canary_percent, serving_stable
 from kvmesh.services.worker.checkpoint import ModelConfig, load_config
@@ -59,10 +61,12 @@ class Pool:
     model: ModelConfig
     tokenizer: Tokenizer
     aliases: tuple[str, ...] = ()  # other names clients may ask for: the folder as given, --served-model-name
-    schedulers: list = field(default_factory=list)  # SchedulerStub of this pool's schedulers
+    schedulers: list = field(default_factory=list)  # SchedulerStub of this pool's live schedulers
     versions: dict[str, int] = field(default_factory=dict)  # version -> ready workers
     rollout: RolloutState | None = None
     turn: int = 0  # round-robin over schedulers
+    channels: dict = field(default_factory=dict)  # id(stub) -> its channel, to skip one that failed
+    _by_address: dict = field(default_factory=dict)  # address -> (channel, stub): stubs kept across rounds
 
     @classmethod
     def load(cls, name: str, folder: str, aliases: tuple[str, ...] = ()) -> "Pool":
@@ -79,8 +83,25 @@ class Pool:
     def ready(self) -> bool:
         return bool(self.schedulers) and self.ready_workers > 0
 
+    def set_schedulers(self, peers: list[tuple[str, grpc.aio.Channel]], stub_class) -> None:
+        """The pool's live schedulers now: (address, channel) each, in a stable order."""
+        known = {}
+        for address, channel in peers:
+            previous = self._by_address.get(address)
+            known[address] = previous if previous and previous[0] is channel else (channel, stub_class(channel))
+        self._by_address = known
+        self.schedulers = [stub for _, stub in known.values()]
+        self.channels = {id(stub): ch for ch, stub in known.values()}
+
     def next_scheduler(self):
-        self.turn += 1
+        """Round-robin over the live schedulers, passing over one whose connection just failed (a
+        scheduler that died and whose leases have not expired yet) while another can take the request."""
+        for _ in range(len(self.schedulers)):
+            self.turn += 1
+            stub = self.schedulers[self.turn % len(self.schedulers)]
+            channel = self.channels.get(id(stub))
+            if channel is None or channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                return stub
         return self.schedulers[self.turn % len(self.schedulers)]
 
     def version_for(self, request_id: str) -> str:

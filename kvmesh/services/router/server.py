@@ -73,23 +73,34 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self._seeds = random.Random()
 
     async def discover(self, on_ready) -> None:
-        """Every half second: each pool's schedulers (those that answered over the mesh's channel,
-        so an entry from a peer without a certificate from the CA gets no traffic), ready workers per
-        version and rollout state."""
+        """Every half second: each pool's live schedulers (those that answered over the mesh's
+        channel, so an entry from a peer without a certificate from the CA gets no traffic, and
+        that own a worker), ready workers per version and rollout state. Without Redis, and until
+        the registry settled after an outage, pools keep what was last read; rounds retry with backoff."""
         while True:
+            delay = 0.5
             try:
-                schedulers = await self.registry.services("scheduler")
-                workers = await self.registry.services("worker")
-                verified = dict(await self.schedulers.channels([r["address"] for r in schedulers]))
-                for pool in self.pools.values():
-                    addresses = [r["address"] for r in schedulers if pool_of(r) == pool.name and r["address"] in verified]
-                    pool.schedulers = [scheduler_pb2_grpc.SchedulerStub(verified[a]) for a in addresses]
-                    pool.versions = ready_versions(workers, pool.name)
-                    pool.rollout = await self._rollout(pool.name)
+                await self.registry.check_registration()
+                if self.registry.settled():
+                    await self._read_pools()
                 await on_ready(self.is_ready)
             except Exception as e:
-                log.warning("discovery failed: %s", e)
-            await asyncio.sleep(0.5)
+                delay = self.registry.outage.failed("discovery", e)
+            await asyncio.sleep(delay)
+
+    async def _read_pools(self) -> None:
+        schedulers = await self.registry.services("scheduler")
+        workers = await self.registry.services("worker")
+        owners = {lease[0] for lease in (await self.registry.worker_owners([w["id"] for w in workers])).values()}
+        verified = dict(await self.schedulers.channels([r["address"] for r in schedulers]))
+        for pool in self.pools.values():
+            addresses = [r["address"] for r in schedulers if pool_of(r) == pool.name and r["address"] in verified]
+            # A scheduler without a worker would answer UNAVAILABLE; with no owners known (schedulers
+            # of an older release), every registered one.
+            pool.set_schedulers([(a, verified[a]) for a in addresses if a in owners] or [(a, verified[a]) for a in addresses],
+                                scheduler_pb2_grpc.SchedulerStub)
+            pool.versions = ready_versions(workers, pool.name)
+            pool.rollout = await self._rollout(pool.name)
 
     @property
     def is_ready(self) -> bool:

@@ -6,6 +6,11 @@ against load) and relays its tokens. A worker that dies or is drained hands its 
 other workers, where they are recomputed from the tokens already streamed, so streams continue
 exactly; only requests no worker can take end with an ERROR finish. Queue state, the autoscaling
 signal, health checks and the rollout controller run beside it (fleet.py).
+
+A pool may have several schedulers: each drives only the workers whose lease it holds
+(ownership.py), adopts workers left free by a dead one, and one of them, the pool's leader (a
+leader lease), runs the duties that must run once per pool: the rollout controller and the
+autoscaling signal. Without Redis it goes on serving with the workers it has.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from kvmesh.services.config import CommonConfig, SchedulerServiceConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.kvcache.pages import prefix_hashes
 from kvmesh.services.registry import Registry, pool_of, queue_state_key
+from kvmesh.services.scheduler.ownership import WorkerLeases, may_adopt
 from kvmesh.services.scheduler.core import TokenEvent
-from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outcomes, RolloutController
+from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outcomes, PoolLeader, RolloutController
 from kvmesh.services.scheduler.overload import MIN_RETRY_S, estimated_wait_s, overload_retry_s
 from kvmesh.services.scheduler.placement import PlacementConfig, choose_worker
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
@@ -59,6 +65,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                  identity: MeshIdentity | None = None):
         self.cfg = cfg
         self.registry = registry
+        self.scheduler_id = ""  # its registry id (the advertised address, known once bound): holds its leases
+        self.leases = WorkerLeases(registry, "", cfg.worker_lease_s)
+        self.leader = PoolLeader(registry, cfg.pool, "")
+        self._free_since: dict[str, float] = {}  # worker id -> when it was first seen without an owner
         self.identity = identity  # mTLS to workers and kvcache when set
         self.kvcaches = RegisteredPeers(identity, "kvcache")
         self.metrics = metrics or SchedulerMetrics(model_name=cfg.pool)
@@ -77,6 +87,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def kvcache(self):
         return self._kvcache_stub
+
+    def identify(self, scheduler_id: str) -> None:
+        """Its registry id, before any task runs: the holder named in its worker and leader leases."""
+        self.scheduler_id = self.leases.holder = self.leader.holder = scheduler_id
 
     def pick_worker(self, hashes: list[bytes], version: str = "", exclude: WorkerLoop | None = None) -> WorkerLoop | None:
         """A worker for a prompt with these page hashes, of `version` ("" any), not draining."""
@@ -243,13 +257,45 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return True
 
     async def discover(self) -> None:
-        """Keeps `workers` in step with the registry: new workers get a loop."""
+        """Keeps `workers` in step with the registry: the workers this scheduler owns or adopts
+        get a loop. Without Redis the loops it has go on; rounds retry with backoff."""
         while True:
+            delay = 0.5
             try:
+                await self.registry.check_registration()
                 await self._refresh()
-            except Exception as e:  # Redis hiccup: try again next round
-                log.warning("worker discovery failed: %s", e)
-            await asyncio.sleep(0.5)
+            except Exception as e:  # Redis down (or a bug): serve with what we have, try again
+                delay = self.registry.outage.failed("worker discovery", e)
+            await asyncio.sleep(delay)
+
+    def lost_worker(self, worker_id: str) -> None:
+        """Another scheduler took the worker's lease: stop driving it (its requests move to our other workers)."""
+        loop = self.workers.get(worker_id)
+        if loop is not None and loop.alive:
+            loop.stop()
+
+    async def _adoptable(self, records: list[dict]) -> dict[str, tuple[str, int] | None]:
+        """Worker id -> its lease (None: free) for the pool's workers this scheduler may take now:
+        its own, and free ones `may_adopt` allows. None is never adopted until the registry has
+        settled after an outage (their owners may not have taken their leases again yet)."""
+        owners = await self.registry.worker_owners([r["id"] for r in records])
+        schedulers = [r for r in await self.registry.services("scheduler") if pool_of(r) == self.cfg.pool]
+        now, settled = time.monotonic(), self.registry.settled()
+        for worker_id in [w for w in self._free_since if w in owners or w not in {r["id"] for r in records}]:
+            del self._free_since[worker_id]
+        grace = self.cfg.worker_lease_s / 2
+        owned = len(self.leases.tokens)
+        takeable = {}
+        for record in records:
+            lease = owners.get(record["id"])
+            if lease is None:
+                free_for = now - self._free_since.setdefault(record["id"], now)
+                if settled and may_adopt(owned, len(records), len(schedulers), free_for, grace):
+                    takeable[record["id"]] = None
+                    owned += 1
+            elif lease[0] == self.scheduler_id:
+                takeable[record["id"]] = lease
+        return takeable
 
     async def _refresh(self) -> None:
         kv = await self.registry.services("kvcache")
@@ -258,20 +304,30 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if verified:
                 self._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(verified[0][1])
         records = [r for r in await self.registry.services("worker") if pool_of(r) == self.cfg.pool]
+        takeable = await self._adoptable(records)
         for record in records:
             current = self.workers.get(record["id"])
             if current is not None and current.info.epoch == record["epoch"] and (current.alive or current.draining):
                 continue  # known; a drained worker stays drained until it restarts (a new epoch)
+            if record["id"] not in takeable:
+                continue  # another scheduler's
             channel = mesh_channel(record["address"], self.identity)
             try:  # with mTLS, a worker without a certificate from the CA fails here and gets no loop
                 info = await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
             except grpc.aio.AioRpcError:
                 await channel.close()
                 continue
+            token = await self.leases.claim(record["id"], takeable[record["id"]], floor=info.lease_token)
+            if not token:  # another scheduler was quicker
+                await channel.close()
+                continue
             if current is not None and current.alive:
                 current.alive = False  # restarted under the same id: the old loop's stream will break
             self.health.forget(record["id"])
-            loop = WorkerLoop(record, info, self.cfg, self.kvcache, self.metrics, on_gone=self.move_requests)
+            if info.owner and info.owner != self.scheduler_id:
+                log.warning("adopting worker %s from scheduler %s (lease token %d)", record["id"], info.owner, token)
+            loop = WorkerLoop(record, info, self.cfg, self.kvcache, self.metrics, on_gone=self.move_requests,
+                              owner=self.scheduler_id, lease_token=token)
             if self._ramp_new_workers and self.cfg.admission_ramp_s:
                 loop.ramp = AdmissionRamp(time.monotonic(), self.cfg.max_num_seqs, self.cfg.admission_ramp_s)
             self.workers[record["id"]] = loop
@@ -280,23 +336,39 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._ramp_new_workers = self._ramp_new_workers or bool(self.workers)  # the first ones start at full speed
         registered = {r["id"] for r in records}
         for worker_id, loop in list(self.workers.items()):
-            if not loop.alive and worker_id not in registered and loop.task and loop.task.done():
-                del self.workers[worker_id]  # gone for good: forget its loop and its metric series
+            gone = worker_id not in registered or not self.leases.holds(worker_id)  # left, or another's now
+            if not loop.alive and gone and loop.task and loop.task.done():
+                del self.workers[worker_id]  # forget its loop and its metric series
                 self.metrics.forget(worker_id)
                 self.health.forget(worker_id)
+        if self.registry.settled():
+            for worker_id in [w for w in self.leases.tokens if w not in registered]:
+                self.leases.forget(worker_id)  # gone for good: let its lease expire
 
-    async def publish_queue_state(self, scheduler_id: str) -> None:
+    async def publish_queue_state(self) -> None:
         """Every half second, off the batching loop: ends requests waiting past max_queue_wait_s,
-        and writes the queue state to Redis: queue depth and estimated token queue for the pool
-        (the autoscaling signal), and per worker the waiting requests with their estimated
-        tokens (prompt still to compute plus output still to come), the running ones, and step timing."""
-        key = queue_state_key(scheduler_id)
+        and writes the queue state to Redis: queue depth and estimated token queue of its
+        workers, and per worker the waiting requests with their estimated tokens (prompt still to
+        compute plus output still to come), the running ones, and step timing. The pool's leader
+        adds the autoscaling signal, from the whole pool's queue. Without Redis: retries with backoff."""
+        key = queue_state_key(self.scheduler_id)
         while True:
+            delay = 0.5
+            state = self._queue_state()
             try:
-                await self.registry.redis.set(key, json.dumps(self._queue_state()), px=3000)
+                if self.leader.held:
+                    state["autoscale"] = self.autoscale.update(*await self._pool_queue(state))
+                await self.registry.redis.set(key, json.dumps(state), px=3000)
             except Exception as e:  # Redis down, or a bug: the next round tries again
-                log.warning("queue state: %s", e)
-            await asyncio.sleep(0.5)
+                delay = self.registry.outage.failed("publishing the queue state", e)
+            await asyncio.sleep(delay)
+
+    async def _pool_queue(self, own: dict) -> tuple[int, int]:
+        """(estimated queued tokens, live workers) of the whole pool: ours and the other schedulers'."""
+        states = [own, *(s for s in await self.registry.queue_states()
+                         if pool_of(s) == self.cfg.pool and s.get("scheduler") != self.scheduler_id)]
+        return (sum(s["estimated_tokens"] for s in states),
+                sum(w["alive"] for s in states for w in s["workers"].values()))
 
     def _queue_state(self) -> dict:
         workers = {}
@@ -314,13 +386,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 "estimated_tokens": sum(r["estimated_tokens"] for r in waiting),
                 "step_timing": w.timing,
             }
-        estimated = sum(w["estimated_tokens"] for w in workers.values())
         return {
             "pool": self.cfg.pool,
+            "scheduler": self.scheduler_id,
+            "leader": self.leader.held,
             "waiting": sum(len(w["waiting"]) for w in workers.values()),
             "running": sum(len(w["running"]) for w in workers.values()),
-            "estimated_tokens": estimated,
-            "autoscale": self.autoscale.update(estimated),
+            "estimated_tokens": sum(w["estimated_tokens"] for w in workers.values()),
             "workers": workers,
         }
 
@@ -355,8 +427,11 @@ async def serve(common: CommonConfig, cfg: SchedulerServiceConfig) -> None:
                            common.host, cfg.port, mesh_server_credentials(common))
     await server.start()
     address = advertised_address(common, server.port)
-    tasks = [asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state(address)),
-             asyncio.create_task(RolloutController(service, address).run())]
+    service.identify(address)
+    registry.on_close.append(service.leases.release_all)  # a clean stop hands its workers over at once
+    tasks = [asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state()),
+             asyncio.create_task(service.leases.keep(service.lost_worker)), asyncio.create_task(service.leader.run()),
+             asyncio.create_task(RolloutController(service).run())]
     if cfg.health_check_interval_s:
         tasks.append(asyncio.create_task(service.health.run()))
     print(f"scheduler for pool {cfg.pool!r} ready on {address}", flush=True)

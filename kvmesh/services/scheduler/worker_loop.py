@@ -37,8 +37,9 @@ class WorkerLoop:
     """Continuous batching for one worker."""
 
     def __init__(self, record: dict, info: worker_pb2.WorkerInfo, cfg: SchedulerServiceConfig, kvcache,
-                 metrics: SchedulerMetrics, on_gone=None):
+                 metrics: SchedulerMetrics, on_gone=None, owner: str = "", lease_token: int = 0):
         self.worker_id = record["id"]
+        self.owner, self.lease_token = owner, lease_token  # our lease on the worker: sent with the stream and page ops
         self.address = record["address"]
         self.info = info
         self.version = info.version or "v1"
@@ -140,7 +141,8 @@ class WorkerLoop:
     async def run(self, channel: grpc.aio.Channel) -> None:
         shipper = asyncio.create_task(self._ship_page_ops())
         self.stub = worker_pb2_grpc.WorkerStub(channel)
-        call = self.stub.Step()
+        call = self.stub.Step(metadata=((wire.LEASE_TOKEN_METADATA, str(self.lease_token)),
+                                        (wire.SCHEDULER_METADATA, self.owner)))
         step = 0
         pending_read = None  # a read left open while idle: it completes only if the stream ends
         reason = "stopped"
@@ -195,7 +197,8 @@ class WorkerLoop:
                 except Exception:
                     log.exception("moving the requests of worker %s failed", self.worker_id)
             self._fail(list(self.core.requests), f"worker {self.worker_id} failed ({reason}) and no other worker could take over")
-            await self._page_ops.put(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True))
+            await self._page_ops.put(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True,
+                                                              lease_token=self.lease_token))
             await self._page_ops.put(None)
             await shipper
 
@@ -258,7 +261,7 @@ class WorkerLoop:
         if ops:
             self._page_ops.put_nowait(kvcache_pb2.ApplyRequest(
                 worker_id=self.worker_id, epoch=self.info.epoch, num_pages=self.info.num_pages,
-                page_size=self.info.page_size, ops=ops))
+                page_size=self.info.page_size, ops=ops, lease_token=self.lease_token))
 
     async def _ship_page_ops(self) -> None:
         """Sends page operations to kvcache in order, off the batching loop's path."""
