@@ -45,6 +45,7 @@ class Pool:
     versions: dict[str, int] = field(default_factory=dict)  # version -> ready workers
     rollout: RolloutState | None = None
     turn: int = 0  # round-robin over schedulers
+    kv_tokens: int | None = None  # tokens the smallest ready worker's KV pool holds (None: not known yet)
 
     @classmethod
     def load(cls, name: str, folder: str) -> "Pool":
@@ -60,6 +61,14 @@ class Pool:
     @property
     def ready(self) -> bool:
         return bool(self.schedulers) and self.ready_workers > 0
+
+    def room_after(self, prompt_tokens: int) -> int:
+        """Tokens a completion of this prompt can have: the rest of the context, and no more than
+        a worker's KV pool holds beside the prompt (a request that could never fit is refused)."""
+        room = self.model.max_position_embeddings - prompt_tokens
+        if self.kv_tokens is not None:
+            room = min(room, self.kv_tokens - prompt_tokens)
+        return room
 
     def next_scheduler(self):
         self.turn += 1
