@@ -108,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # (the rest: --SERVICE-arg).
 UP_SETTINGS = {"scheduler": ("max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "victim_policy", "batching"),
                "worker": ("kv_memory_mib", "dtype", "threads", "page_size"),
-               "router": ("api_keys",)}
+               "router": ("api_keys", "api_keys_file", "served_model_name")}
 
 
 def add_up_service_flags(p: argparse.ArgumentParser) -> None:
@@ -119,7 +119,7 @@ def add_up_service_flags(p: argparse.ArgumentParser) -> None:
     for service, names in UP_SETTINGS.items():
         fields = {f.name: f for f in dataclasses.fields(c.SERVICE_CONFIGS[service])}
         for name in names:
-            kind = eval(fields[name].type, {}, {}) if isinstance(fields[name].type, str) else fields[name].type
+            kind = c.field_type(c.SERVICE_CONFIGS[service], name)
             p.add_argument("--" + name.replace("_", "-"), type=kind, metavar=kind.__name__.upper(),
                            help=f"{service}: {fields[name].metadata.get('help', '')}")
     for service in SERVICES:

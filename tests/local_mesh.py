@@ -3,11 +3,14 @@
 import asyncio
 import json
 import os
+import socket
 import time
 
 import grpc
 
+from kvmesh.services.children import redis_child
 from kvmesh.services.launcher import free_port, launch, stop
+from kvmesh.services.tls import mesh_channel
 from kvmesh.services.registry import QUEUE_STATE_PATTERN
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
 
@@ -73,8 +76,9 @@ async def streams_through(stub, requests, fault, on_message=None):
     return [await read_rest(call, head, on_message) for call, head in zip(calls, heads)]
 
 
-async def page_stats(addr):
-    async with grpc.aio.insecure_channel(addr) as ch:
+async def page_stats(addr, identity=None):
+    """The kvcache's page stats per worker (over mTLS with `identity`, a tls.MeshIdentity, when the mesh has one)."""
+    async with mesh_channel(addr, identity) as ch:
         return (await kvcache_pb2_grpc.KVCacheStub(ch).Stats(kvcache_pb2.StatsRequest())).workers
 
 
@@ -96,11 +100,24 @@ async def queue_state(redis_url, until, timeout=10):
         await r.aclose()
 
 
-async def wait_idle(addr, timeout=10):
+async def wait_idle(addr, timeout=10, identity=None):
     """Waits until no worker has pages in use; returns the last stats."""
     deadline = time.monotonic() + timeout
     while True:
-        workers = await page_stats(addr)
+        workers = await page_stats(addr, identity)
         if all(w.used_pages == 0 for w in workers) or time.monotonic() > deadline:
             return workers
         await asyncio.sleep(0.1)
+
+
+def start_redis(port: int, folder: str, *extra: str):
+    """A redis-server with `extra` settings, once its port accepts connections: its process."""
+    child = redis_child(port, folder, *extra)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return child.process
+        assert child.process.poll() is None, child.last_lines()
+        time.sleep(0.05)
+    raise TimeoutError(f"redis-server did not listen on {port}")

@@ -254,9 +254,10 @@ def test_unknown_model_is_404(client):
         client.models.retrieve("gpt-4")
 
 
-def test_models_lists_the_served_model(client):
-    [model] = client.models.list().data
+def test_models_lists_the_served_model(client, model_dir):
+    model, by_path = client.models.list().data  # the pool, and the folder it was started from (as vLLM names it)
     assert (model.id, model.object, model.owned_by) == ("default", "model", "kvmesh")
+    assert (by_path.id, by_path.root) == (str(model_dir), "default")
     assert model.max_model_len == 2048
     assert client.models.retrieve("default").id == "default"
 
@@ -310,7 +311,7 @@ def test_api_keys_are_checked_when_configured(keyed_router):
     status, _, _ = http_call(keyed_router, "/v1/completions", b'{"model": "default", "prompt": "hello"}')
     assert status == 401  # no key at all
     assert keyed("k2").completions.create(prompt="hello", **greedy(3)).usage.completion_tokens == 3
-    assert [m.id for m in keyed("k1").models.list().data] == ["default"]
+    assert [m.id for m in keyed("k1").models.list().data][0] == "default"
     assert http_call(keyed_router, "/health")[0] == 200  # probes need no key
 
 

@@ -21,7 +21,6 @@ from cryptography.x509.verification import PolicyBuilder, Store, VerificationErr
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.services.grpc_server import ServiceServer
-from kvmesh.services.children import redis_child
 from kvmesh.services.launcher import MeshTLS, free_port
 from kvmesh.services.redis_client import check_redis_url, connect, redacted
 from kvmesh.services.registry import service_key
@@ -30,7 +29,7 @@ from kvmesh.services.tls import (MESH_NAMES, MeshCertificates, MeshIdentity, cer
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from local_mesh import Mesh, collect
+from local_mesh import Mesh, collect, start_redis
 from reference import assert_matches_reference, hf_greedy
 
 ADMIN_PASSWORD = "s3cret-admin"
@@ -151,19 +150,6 @@ def test_redis_urls_are_checked_and_passwords_never_shown():
     assert redacted("redis://kvmesh:hunter2@redis:6379/0") == "redis://kvmesh:***@redis:6379/0"
     assert redacted("rediss://:hunter2@redis/0?ssl_ca_certs=/ca.pem") == "rediss://:***@redis/0?ssl_ca_certs=/ca.pem"
     assert redacted("redis://redis:6379/0") == "redis://redis:6379/0"
-
-
-def start_redis(port: int, folder: str, *extra: str):
-    """A redis-server with `extra` settings, once its port accepts connections: its process."""
-    child = redis_child(port, folder, *extra)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return child.process
-        assert child.process.poll() is None, child.last_lines()
-        time.sleep(0.05)
-    raise TimeoutError(f"redis-server did not listen on {port}")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvmesh.params import SamplingParams, StoppingParams
+import math
+
+from kvmesh.params import SamplingParams, StoppingParams, StructuredOutput
 from kvmesh.step import NewSequence, PromptLogprobs, SampledToken, ScheduledChunk, StepPlan, StepResult
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import worker_pb2 as wk
@@ -20,7 +22,19 @@ def sampling_from_proto(m: gen.SamplingParams) -> SamplingParams:
         logprobs=m.logprobs,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         logit_bias=tuple(sorted(m.logit_bias.items())),
+        structured_output=structured_from_proto(m.structured_output) if m.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(m: gen.StructuredOutput) -> StructuredOutput | None:
+    kind = m.WhichOneof("format")
+    if kind is None or (kind == "json_object" and not m.json_object):
+        return None
+    return StructuredOutput(kind, m.json_schema)
+
+
+def structured_to_proto(s: StructuredOutput) -> gen.StructuredOutput:
+    return gen.StructuredOutput(json_schema=s.schema) if s.kind == "json_schema" else gen.StructuredOutput(json_object=True)
 
 
 def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
@@ -33,6 +47,8 @@ def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
     if s.prompt_logprobs is not None:
         m.prompt_logprobs = s.prompt_logprobs
     m.logit_bias.update(s.logit_bias)
+    if s.structured_output is not None:
+        m.structured_output.CopyFrom(structured_to_proto(s.structured_output))
     return m
 
 
@@ -104,3 +120,9 @@ def prompt_logprobs_to_proto(p: PromptLogprobs | None) -> wk.LogprobsOfPrompt | 
     if p is None:
         return None
     return wk.LogprobsOfPrompt(logprobs=p.logprobs, top_ids=p.top_ids, top_logprobs=p.top_logprobs)
+
+
+def retry_hint(seconds: float) -> tuple[tuple[str, str], ...]:
+    """gRPC trailing metadata telling a caller refused for load or a limit when to try again:
+    `retry-after` in whole seconds (as HTTP's header) and `retry-after-ms`."""
+    return (("retry-after", str(max(1, math.ceil(seconds)))), ("retry-after-ms", str(int(seconds * 1000))))

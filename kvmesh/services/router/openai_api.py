@@ -20,7 +20,9 @@ ending in `data: [DONE]`, plus a usage chunk with empty choices when
 `{"error": {"message", "type", "param", "code"}}`: 400 bad input (`param` names the field), 401
 missing or wrong API key, 404 unknown model, 413 a body over max_request_bytes, 415 a body that is
 not `Content-Type: application/json` (so a browser page cannot post one cross-site as a form or
-text/plain), 429 queue full (with Retry-After), 503 nothing ready. JSON nested deeper than
+text/plain), 429 (with Retry-After and retry-after-ms) when the API key is over one of its limits
+or the pool is overloaded (its queue is full, or could not start the request within the scheduler's
+max_queue_wait_s), 503 nothing ready. JSON nested deeper than
 MAX_JSON_DEPTH is a 400, as is a prompt over max_prompt_chars (checked before tokenizing, which
 runs off the event loop).
 An error after a stream has started is one `data: {"error": ...}` event, then `[DONE]`. A traced
@@ -66,6 +68,8 @@ _FINISH_REASONS = {gen.LENGTH: "length", gen.STOP: "stop", gen.EOS: "stop"}
 # Parameters kvmesh cannot honour; a request that sets one gets a 400 naming it.
 _UNSUPPORTED = {"suffix": "is not supported (kvmesh does no fill-in-the-middle completion)",
                 "tools": "is not supported by kvmesh", "functions": "is not supported by kvmesh"}
+_STRUCTURED_RENAMES = {"structured_output": "response_format",
+                       "structured_output.json_schema": "response_format.json_schema.schema"}
 
 
 class ApiError(Exception):
@@ -203,7 +207,7 @@ def add_routes(app: web.Application, service) -> None:
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
-    app.router.add_get("/v1/models/{model}", api.model)
+    app.router.add_get("/v1/models/{model:.+}", api.model)  # a folder path holds slashes
 
 
 class OpenAIApi:
@@ -223,57 +227,55 @@ class OpenAIApi:
         return await self._serve(http, _ChatCompletion, self._chat_call)
 
     async def models(self, http: web.Request) -> web.Response:
-        """The model pools that have a ready worker (as the gRPC ListModels)."""
-        if (refused := self._unauthorized(http)) is not None:
-            return refused
-        data = [self._model_card(p) for p in self.service.pools.values() if p.ready]
+        """The model pools that have a ready worker, one card per name each answers to (as the gRPC ListModels)."""
+        try:
+            self._key(http)
+        except RouterError as e:
+            return api_error(e, {}).response({})
+        data = [self._model_card(p, name) for p in self.service.pools.values() if p.ready for name in (p.name, *p.aliases)]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, http: web.Request) -> web.Response:
         """A served model's card; 404 for any other name."""
-        if (refused := self._unauthorized(http)) is not None:
-            return refused
         try:
+            self._key(http)
             pool = self.service.pool_for(http.match_info["model"])
         except RouterError as e:
             return api_error(e, {}).response({})
-        return web.json_response(self._model_card(pool))
+        return web.json_response(self._model_card(pool, http.match_info["model"]))
 
-    def _model_card(self, pool) -> dict:
-        return {"id": pool.name, "object": "model", "created": self.created, "owned_by": "kvmesh",
+    def _model_card(self, pool, name: str) -> dict:
+        """The card of one name `pool` answers to (its own, or an alias: `root` is the pool)."""
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "kvmesh", "root": pool.name,
                 "max_model_len": pool.model.max_position_embeddings}
 
-    def _unauthorized(self, http: web.Request) -> web.Response | None:
-        try:
-            self.service.check_api_key(http.headers.get("Authorization"))
-        except RouterError as e:
-            return api_error(e, {}).response({})
-        return None
+    def _key(self, http: web.Request):
+        """The caller's API key limits (None when keys are off); RouterError(UNAUTHENTICATED) when wrong."""
+        return self.service.check_api_key(http.headers.get("Authorization"))
 
     async def _serve(self, http: web.Request, shape, translate) -> web.StreamResponse:
         span = self.service.open_span([(key.lower(), value) for key, value in http.headers.items()])
         trace_id = telemetry.trace_id_hex(span)
         headers = {"kvmesh-trace-id": trace_id} if trace_id else {}
         try:
-            if (refused := self._unauthorized(http)) is not None:
-                refused.headers.update(headers)
-                return refused
+            key = self._key(http)
             call = await translate(await _json_object(http, self.service.cfg.max_request_bytes))
-            return await self._run(http, shape, call, span, headers)
+            return await self._run(http, shape, call, span, headers, key)
         except SchemaError as e:
             return ApiError(400, str(e), param=e.param).response(headers)
         except ApiError as e:
             return e.response(headers)
-        except RouterError as e:  # an unknown model while translating
+        except RouterError as e:  # a wrong API key; an unknown model while translating
             return api_error(e, {}).response(headers)
         except InvalidRequest as e:  # a chat message the tokenizer refuses (a role, the size)
             return ApiError(400, str(e), param=e.field).response(headers)
         finally:
             span.end()
 
-    async def _run(self, http, shape, call: _Call, span, headers: dict[str, str]) -> web.StreamResponse:
+    async def _run(self, http, shape, call: _Call, span, headers: dict[str, str], key) -> web.StreamResponse:
         tokenizer = self.service.pool_for(call.requests[0].model).tokenizer
-        streams = [self.service.generate(r, None, span) for r in call.requests]
+        # Each prompt of a list is a request of its own under the key's limits.
+        streams = [self.service.generate(r, None, span, key) for r in call.requests]
         merged = streams[0] if len(streams) == 1 else _merged(streams)
         try:
             if call.stream:
@@ -411,7 +413,8 @@ class OpenAIApi:
         if req.echo:
             tokenizer = self.service.pool_for(req.model).tokenizer
             echoes = [p if isinstance(p, str) else await asyncio.to_thread(tokenizer.decode, p) for p in req.prompt]
-        renames = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
+        renames = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "prompt_logprobs": "logprobs",
+                   **_STRUCTURED_RENAMES}
         return _Call(requests, req.n, req.stream, req.stream and _include_usage(req), k is not None,
                      bool(k), echoes, renames)
 
@@ -430,7 +433,7 @@ class OpenAIApi:
                                     logprobs=req.top_logprobs or 0 if req.logprobs else 0)
         request.prompt_token_ids.ids.extend(ids)
         renames = {"max_new_tokens": max_name, "prompt": "messages", "prompt_token_ids": "messages",
-                   "logprobs": "top_logprobs"}
+                   "logprobs": "top_logprobs", **_STRUCTURED_RENAMES}
         return _Call([request], req.n, req.stream, req.stream and _include_usage(req), req.logprobs, False, None, renames)
 
     async def _chat_prompt_ids(self, pool, req: ChatCompletionRequest) -> list[int]:
@@ -447,9 +450,19 @@ def _refuse_unsupported(req) -> None:
     for name, why in _UNSUPPORTED.items():
         if getattr(req, name, None):
             raise bad_request(name, why)
-    kind = (req.response_format or {}).get("type")
-    if kind not in (None, "text"):
-        raise bad_request("response_format", f"only text is supported, got {str(kind)[:40]!r}")
+
+
+def _structured_output(req) -> gen.StructuredOutput | None:
+    """`response_format`: text (None), json_object, or json_schema with its `json_schema.schema`
+    (enforced whether or not `strict` is set, as vLLM does)."""
+    response_format = req.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return gen.StructuredOutput(json_object=True)
+    if response_format.json_schema is None:
+        raise bad_request("response_format.json_schema", "is required with type json_schema")
+    return gen.StructuredOutput(json_schema=json.dumps(response_format.json_schema.schema_))
 
 
 def _include_usage(req) -> bool:
@@ -465,6 +478,8 @@ def _generate_request(req, request_id: str, max_tokens: int | None, n: int, logp
             setattr(sampling, name, value)
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs
+    if (structured := _structured_output(req)) is not None:
+        sampling.structured_output.CopyFrom(structured)
     stopping = gen.StoppingParams(stop=req.stop, ignore_eos=req.ignore_eos)
     if max_tokens is not None:
         stopping.max_new_tokens = max_tokens

@@ -36,11 +36,29 @@ def parse_models(spec: str, default_name: str) -> list[tuple[str, str]]:
     return pools
 
 
+def served_names(pools: list[tuple[str, str]], served_model_name: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """[(name, folder, aliases)]: a pool started from a folder also answers to the folder's path as
+    given, and a single pool to every comma-separated name of `served_model_name` (vLLM's
+    --served-model-name). ValueError when such a name is another pool's, or names several pools."""
+    extra = tuple(n.strip() for n in served_model_name.split(",") if n.strip())
+    if extra and len(pools) > 1:
+        raise ValueError("served_model_name: names one pool; with several, name each as NAME=DIR in --model")
+    served = [(name, folder, tuple(dict.fromkeys(a for a in (folder, *extra) if a and a != name)))
+              for name, folder in pools]
+    seen: dict[str, str] = {}
+    for name, _, aliases in served:
+        for n in (name, *aliases):
+            if seen.setdefault(n, name) != name:
+                raise ValueError(f"model name {n!r} is served by both {seen[n]!r} and {name!r}")
+    return served
+
+
 @dataclass
 class Pool:
     name: str
     model: ModelConfig
     tokenizer: Tokenizer
+    aliases: tuple[str, ...] = ()  # other names clients may ask for: the folder as given, --served-model-name
     schedulers: list = field(default_factory=list)  # SchedulerStub of this pool's schedulers
     versions: dict[str, int] = field(default_factory=dict)  # version -> ready workers
     rollout: RolloutState | None = None
@@ -48,11 +66,11 @@ class Pool:
     kv_tokens: int | None = None  # tokens the smallest ready worker's KV pool holds (None: not known yet)
 
     @classmethod
-    def load(cls, name: str, folder: str) -> "Pool":
+    def load(cls, name: str, folder: str, aliases: tuple[str, ...] = ()) -> "Pool":
         from kvmesh.modelgen import default_model_dir
 
         model_dir = Path(folder) if folder else default_model_dir()
-        return cls(name, load_config(model_dir), Tokenizer.from_dir(model_dir))
+        return cls(name, load_config(model_dir), Tokenizer.from_dir(model_dir), aliases=aliases)
 
     @property
     def ready_workers(self) -> int:

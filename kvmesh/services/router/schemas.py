@@ -85,6 +85,12 @@ def _content(value: Any) -> str | None:
     raise ValueError('must be a string or a list of text parts ({"type": "text", "text": ...})')
 
 
+def _format_type(value: Any) -> str:
+    if value in ("text", "json_object", "json_schema"):
+        return value
+    raise ValueError(f"must be text, json_object or json_schema, got {_shown(value)}")
+
+
 Number = Annotated[float, BeforeValidator(_number)]
 Uint32 = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
 Int32 = Annotated[StrictInt, Field(ge=-2**31, le=2**31 - 1)]
@@ -94,6 +100,26 @@ TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema is enforced whether or not `strict` is set, as vLLM does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict = Field(alias="schema")  # `schema` would shadow BaseModel's
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: text (free), json_object (any JSON object) or json_schema (kvmesh.params.StructuredOutput)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Annotated[str, BeforeValidator(_format_type)]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(BaseModel):
@@ -116,7 +142,7 @@ class _Sampling(BaseModel):
     priority: Int32 | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
     # OpenAI's, not kvmesh's: refused by name when set.
     tools: Any = None
     functions: Any = None

@@ -8,15 +8,15 @@ and ends every stream with a `finish` carrying reason, usage and timings. Only t
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import random
+import signal
 import time
 import uuid
 
 import grpc
 
-from kvmesh import telemetry
+from kvmesh import grammar, telemetry
 from kvmesh.fleet.rollout import RolloutState
 from kvmesh.metrics import RouterMetrics
 from kvmesh.params import MAX_CHOICES, InvalidRequest, validate_request, validate_request_id
@@ -24,8 +24,9 @@ from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry, kv_tokens, pool_of, ready_versions
-from kvmesh.services.router.pools import Pool, parse_models
+from kvmesh.services.router.limits import Admission, KeyLimiter, KeyLimits, LimitExceeded
 from kvmesh.services.router.output import ChoiceOutput, alternatives, prompt_tokens
+from kvmesh.services.router.pools import Pool, parse_models, served_names
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -48,20 +49,26 @@ class RouterError(Exception):
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
-    """Generate, ListModels, Tokenize. Errors: INVALID_ARGUMENT naming the field and the limit
-    (also for a message that does not decode), RESOURCE_EXHAUSTED for a message over
-    max_request_bytes, NOT_FOUND for an unknown model, UNAVAILABLE while no scheduler or worker
-    is ready; a scheduler's error status is passed on as it came."""
+    """Generate, ListModels, Tokenize. Errors: UNAUTHENTICATED without a configured API key,
+    INVALID_ARGUMENT naming the field and the limit (also for a message that does not decode),
+    RESOURCE_EXHAUSTED for a message over max_request_bytes and for a request over its key's limits
+    (with the `retry-after` hint, limits.py), NOT_FOUND for an unknown model, UNAVAILABLE while no
+    scheduler or worker is ready; a scheduler's error status is passed on as it came."""
 
-    def __init__(self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics | None = None,
+    def __init__(self, cfg: RouterConfig, registry: Registry, limiter: KeyLimiter, metrics: RouterMetrics | None = None,
                  identity: MeshIdentity | None = None):
         self.cfg = cfg
         self.schedulers = RegisteredPeers(identity, "scheduler")  # mTLS to them when the mesh has an identity
-        self.api_keys = cfg.api_key_set()
+        self.keys = cfg.key_book()
+        self.limiter = limiter
         self.metrics = metrics or RouterMetrics()
         self.tracer = telemetry.tracer("kvmesh.router")
-        self.pools: dict[str, Pool] = {name: Pool.load(name, folder) for name, folder in parse_models(cfg.model, cfg.model_name)}
+        served = served_names(parse_models(cfg.model, cfg.model_name), cfg.served_model_name)
+        self.pools: dict[str, Pool] = {name: Pool.load(name, folder, aliases) for name, folder, aliases in served}
         self.default_pool = next(iter(self.pools))
+        self._by_name = {n: p for p in self.pools.values() for n in (p.name, *p.aliases)}
+        for name in self.pools:
+            self.metrics.start(name)
         self.registry = registry
         self._seeds = random.Random()
 
@@ -100,11 +107,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             return None
 
     def pool_for(self, name: str) -> Pool:
-        """The pool clients call `name` ('' is the first one); RouterError(NOT_FOUND) if none."""
-        pool = self.pools.get(name or self.default_pool)
+        """The pool clients call `name`, by its name or an alias ('' is the first one); RouterError(NOT_FOUND) if none."""
+        pool = self._by_name.get(name or self.default_pool)
         if pool is None:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
-                              f"model {name!r} is not served here (served: {', '.join(repr(p) for p in self.pools)})")
+                              f"model {name!r} is not served here (served: {', '.join(repr(n) for n in self._by_name)})")
         return pool
 
     async def _ready_pool(self, pool: Pool, timeout: float | None) -> None:
@@ -158,6 +165,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         stopping = wire.stopping_from_proto(request.stopping)
         validate_request(ids, sampling, stopping, max_context=pool.model.max_position_embeddings,
                          vocab_size=pool.model.vocab_size)
+        if sampling.structured_output is not None:
+            await asyncio.to_thread(grammar.check, sampling.structured_output)  # a large schema takes a while
         submit = scheduler_pb2.SubmitRequest(
             request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
             sampling=request.sampling, stopping=wire.stopping_to_proto(stopping), priority=request.priority)
@@ -166,32 +175,84 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         submit.version = pool.version_for(submit.request_id)
         return submit
 
-    def check_api_key(self, authorization: str | None) -> None:
-        """Raises RouterError(UNAUTHENTICATED) when API keys are configured and `authorization` is not one."""
-        if not self.api_keys:
-            return
+    def check_api_key(self, authorization: str | None) -> KeyLimits | None:
+        """The limits of the caller's key, None when no keys are configured; RouterError(UNAUTHENTICATED)
+        when keys are configured and `authorization` is not `Bearer <one of them>`."""
+        if not self.keys.enabled:
+            return None
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip(), k) for k in self.api_keys):
+        limits = self.keys.find(key.strip()) if scheme.lower() == "bearer" else None
+        if limits is None:
             raise RouterError(grpc.StatusCode.UNAUTHENTICATED,
                               "missing or wrong API key: send `authorization: Bearer <key>`")
+        return limits
+
+    async def watch_keys(self) -> None:
+        """Reads the keys file again when it changes (checked every second) or on SIGHUP."""
+        if not self.keys.path:
+            return
+        changed = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, changed.set)
+        while True:
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+            self.keys.reload(force=changed.is_set())
+            changed.clear()
+
+    async def _admit(self, key: KeyLimits | None, span: telemetry.Span) -> Admission | None:
+        """Takes the request's place under its key's requests/s and in-flight limits."""
+        if key is None:
+            return None
+        span.set_attribute("kvmesh.api_key_id", key.id)
+        try:
+            admission = await self.limiter.admit(key)
+        except LimitExceeded as e:
+            raise self._refused(key, e) from None
+        self.metrics.key_requests.labels(key.id, "admitted").inc()
+        return admission
+
+    async def _take_prompt(self, admission: Admission | None, prompt_tokens: int) -> None:
+        if admission is None:
+            return
+        try:
+            await self.limiter.take_prompt(admission.key, prompt_tokens)
+        except LimitExceeded as e:
+            raise self._refused(admission.key, e) from None
+        self.metrics.key_tokens.labels(admission.key.id).inc(prompt_tokens)
+
+    def _refused(self, key: KeyLimits, e: LimitExceeded) -> RouterError:
+        self.metrics.key_requests.labels(key.id, e.limit).inc()
+        hint = wire.retry_hint(e.retry_after_s) if e.retry_after_s is not None else ()
+        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), hint)
 
     def open_span(self, metadata) -> telemetry.Span:
         """The request's `kvmesh.generate` span, a child of the caller's `traceparent` when there is one."""
         return self.tracer.start_span("kvmesh.generate", context=telemetry.context_from_metadata(metadata),
                                       kind=telemetry.SpanKind.SERVER)
 
-    async def generate(self, request, timeout: float | None, span: telemetry.Span):
+    async def generate(self, request, timeout: float | None, span: telemetry.Span, key: KeyLimits | None = None):
         """Streams GenerateResponse messages for one request; the last one carries `finish`.
         Raises RouterError for bad input (INVALID_ARGUMENT), an unknown model (NOT_FOUND), nothing
-        ready (UNAVAILABLE) and a scheduler's error status, passed on as it came (retry hint included).
-        Records the request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
+        ready (UNAVAILABLE), a request over `key`'s limits (RESOURCE_EXHAUSTED with a retry hint)
+        and a scheduler's error status, passed on as it came (retry hint included). Records the
+        request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
         started = time.monotonic()
-        model = request.model or self.default_pool
-        model = model if model in self.pools else "unknown"  # a label per served pool only: bounded
+        pool = self._by_name.get(request.model or self.default_pool)
+        model = pool.name if pool is not None else "unknown"  # a label per served pool only: bounded
         self.metrics.in_flight.labels(model).inc()
+        finishes, choices = 0, max(1, request.n)
+        admission = None
         try:
-            async for out in self._generate(request, timeout, span, started):
+            admission = await self._admit(key, span)
+            async for out in self._generate(request, timeout, span, started, admission):
+                finishes += out.HasField("finish")
                 yield out
+        except (GeneratorExit, asyncio.CancelledError):  # the caller closed the stream: its client left
+            if finishes < choices:
+                self.metrics.cancelled.labels(model).inc()
+            raise
         except RouterError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:  # unknown names would grow the label set without bound
                 self.metrics.failure.labels(model, e.code.name).inc()
@@ -199,13 +260,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             self.metrics.in_flight.labels(model).dec()
+            if admission is not None:
+                await self.limiter.finish(admission)
+                self.metrics.key_tokens.labels(admission.key.id).inc(admission.output_tokens)
 
-    async def _generate(self, request, timeout, span, started):
+    async def _generate(self, request, timeout, span, started, admission: Admission | None):
         pool = self.pool_for(request.model)
         try:
             submit = await self._validated(pool, request)
         except InvalidRequest as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field) from None
+        await self._take_prompt(admission, len(submit.prompt_token_ids))
         if not pool.ready:
             waited = time.monotonic()
             await self._ready_pool(pool, timeout)
@@ -217,7 +282,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         span.set_attribute("kvmesh.max_new_tokens", submit.stopping.max_new_tokens)
         scheduler = pool.next_scheduler()  # one for all choices: the first one's prompt pages serve the others
         choices = [self._choice(pool, scheduler, request, self._choice_submit(submit, i, request.sampling), i,
-                                timeout, span, started) for i in range(max(1, request.n))]
+                                timeout, span, started, admission) for i in range(max(1, request.n))]
         merged = choices[0] if len(choices) == 1 else _after_first(choices)
         try:
             async for out in merged:
@@ -238,7 +303,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         choice.sampling.ClearField("prompt_logprobs")
         return choice
 
-    async def _choice(self, pool: Pool, scheduler, request, submit, index: int, timeout, span, started):
+    async def _choice(self, pool: Pool, scheduler, request, submit, index: int, timeout, span, started,
+                      admission: Admission | None):
         """One completion's stream: the scheduler's token events as GenerateResponses with text."""
         call = scheduler.Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
         text = ChoiceOutput(pool.tokenizer, submit.prompt_token_ids, list(request.stopping.stop))
@@ -273,7 +339,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                         queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
                         total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
                         worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version)
-                    self._record_finish(pool.name, finish, span)
+                    self._record_finish(pool.name, finish, submit.stopping.max_new_tokens, span)
                     out.finish.CopyFrom(finish)
                     yield out
                     return
@@ -282,14 +348,20 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise RouterError(e.code(), e.details() or "scheduler error", tuple(e.trailing_metadata() or ())) from None
         finally:
             call.cancel()  # no-op once finished; frees the request upstream when the client left
+            if admission is not None:
+                admission.output_tokens += completion  # every choice's tokens count against the key
 
-    def _record_finish(self, model: str, f: gen.Finish, span: telemetry.Span) -> None:
+    def _record_finish(self, model: str, f: gen.Finish, max_tokens: int, span: telemetry.Span) -> None:
         m = self.metrics
         reason = gen.FinishReason.Name(f.reason).lower()
         m.success.labels(model, reason).inc()
         m.ttft.labels(model).observe(f.ttft_ms / 1000)
         m.e2e.labels(model).observe(f.total_ms / 1000)
         m.queue.labels(model).observe(f.queue_ms / 1000)
+        m.prefill_time.labels(model).observe(max(0.0, f.ttft_ms - f.queue_ms) / 1000)
+        m.decode_time.labels(model).observe(max(0.0, f.total_ms - f.ttft_ms) / 1000)
+        m.inference_time.labels(model).observe(max(0.0, f.total_ms - f.queue_ms) / 1000)
+        m.max_tokens.labels(model).observe(max_tokens)
         if f.completion_tokens > 1:
             m.tpot.labels(model).observe((f.total_ms - f.ttft_ms) / 1000 / (f.completion_tokens - 1))
         m.prompt_len.labels(model).observe(f.prompt_tokens)
@@ -308,17 +380,19 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         trace id). The trace id is also sent first, as `kvmesh-trace-id` response metadata."""
         metadata = context.invocation_metadata()
         span = self.open_span(metadata)
-        stream = self.generate(request, context.time_remaining(), span)
+        stream = None
         try:
             if trace_id := telemetry.trace_id_hex(span):
                 await context.send_initial_metadata((("kvmesh-trace-id", trace_id),))
-            self.check_api_key(dict(metadata or ()).get("authorization"))
+            key = self.check_api_key(dict(metadata or ()).get("authorization"))
+            stream = self.generate(request, context.time_remaining(), span, key)
             async for out in stream:
                 yield out
         except RouterError as e:
             await context.abort(e.code, e.message, e.trailing)
         finally:
-            await stream.aclose()  # at once, so a client that left frees its request upstream now
+            if stream is not None:
+                await stream.aclose()  # at once, so a client that left frees its request upstream now
             span.end()
 
     async def _authorized(self, context) -> None:
@@ -333,7 +407,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     def model_infos(self) -> list[gen.ModelInfo]:
         """The pools with a ready worker, each with its versions and their share of traffic."""
-        return [gen.ModelInfo(name=p.name, ready_workers=p.ready_workers, max_context=p.model.max_position_embeddings,
+        return [gen.ModelInfo(name=p.name, aliases=p.aliases, ready_workers=p.ready_workers,
+                              max_context=p.model.max_position_embeddings,
                               versions=[gen.ModelVersion(version=v, ready_workers=n, traffic_percent=p.traffic_percent(v))
                                         for v, n in sorted(p.versions.items())])
                 for p in self.pools.values() if p.ready]
@@ -393,7 +468,8 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
 
     telemetry.setup_tracing("router")
     registry = Registry(common.redis_url)
-    service = RouterService(cfg, registry, identity=mesh_identity(common))
+    limiter = KeyLimiter(common.redis_url)
+    service = RouterService(cfg, registry, limiter, identity=mesh_identity(common))
     # The public ports: TLS only with a certificate of their own (the mesh's mTLS is for internal calls).
     server = ServiceServer(["kvmesh.v1.Generation"], lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s),
                            common.host, cfg.port, public_server_credentials(cfg.tls_cert, cfg.tls_key),
@@ -414,7 +490,7 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
             ready.set()
             print(f"router ready on {address} (HTTP {http_address or 'off'})", flush=True)
 
-    discovery = asyncio.create_task(service.discover(on_ready))
-    cleanups = (http[0].cleanup,) if http else ()
+    tasks = tuple(asyncio.create_task(t) for t in (service.discover(on_ready), service.watch_keys(), limiter.renew_leases()))
+    cleanups = (*((http[0].cleanup,) if http else ()), limiter.close)
     await serve_until_stopped(server, registry, "router", address, {"address": address, "http": http_address},
-                              tasks=(discovery,), serving=False, cleanups=cleanups)
+                              tasks=tasks, serving=False, cleanups=cleanups)

@@ -29,6 +29,7 @@ from kvmesh.services.kvcache.pages import prefix_hashes
 from kvmesh.services.registry import Registry, pool_of, queue_state_key
 from kvmesh.services.scheduler.core import TokenEvent
 from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outcomes, RolloutController
+from kvmesh.services.scheduler.overload import MIN_RETRY_S, estimated_wait_s, overload_retry_s
 from kvmesh.services.scheduler.placement import PlacementConfig, choose_worker
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.services.scheduler.worker_loop import LogprobsTokenEvent, WorkerLoop
@@ -49,8 +50,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     model of the pool's workers (token ids within its vocabulary, prompt plus max_new_tokens
     within its context, sampling values within their limits), and request_id and version are
     bounded. Errors: INVALID_ARGUMENT naming the field and the limit (also when the request cannot
-    fit a worker's KV pool), UNAVAILABLE when no worker is ready, RESOURCE_EXHAUSTED when the
-    queue is full."""
+    fit a worker's KV pool), UNAVAILABLE when no worker is ready, RESOURCE_EXHAUSTED with a
+    `retry-after` hint when the pool is overloaded: the queue is full, the chosen worker could not
+    start the request within max_queue_wait_s (overload.py), or it waited that long all the same
+    without starting (then nothing was streamed). Load alone never ends a request with ERROR."""
 
     def __init__(self, cfg: SchedulerServiceConfig, registry: Registry, metrics: SchedulerMetrics | None = None,
                  identity: MeshIdentity | None = None):
@@ -58,7 +61,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.registry = registry
         self.identity = identity  # mTLS to workers and kvcache when set
         self.kvcaches = RegisteredPeers(identity, "kvcache")
-        self.metrics = metrics or SchedulerMetrics()
+        self.metrics = metrics or SchedulerMetrics(model_name=cfg.pool)
         self.tracer = telemetry.tracer("kvmesh.scheduler")
         self.workers: dict[str, WorkerLoop] = {}
         self.placement = PlacementConfig(cfg.worker_choice, cfg.prefill_weight, cfg.load_weight,
@@ -90,13 +93,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return sum(len(w.core.waiting) for w in self.workers.values() if w.alive)
 
     def retry_hint_s(self) -> float:
-        """About how long the queue ahead takes to drain: queued tokens over recent step throughput."""
-        tokens = sum(w.estimated_tokens(r) for w in self.workers.values() for r in w.core.waiting)
-        steps = sum(w.timing["steps"] for w in self.workers.values())
-        busy = sum(w.timing["forward_s"] + w.timing["wire_s"] for w in self.workers.values())
-        per_step = busy / steps if steps else 0.1
-        serving = sum(w.alive and not w.draining for w in self.workers.values())
-        return max(1.0, tokens / self.cfg.max_batched_tokens * per_step / max(1, serving))
+        """About how long the pool's queue takes to drain: its tokens over the serving workers' recent throughput."""
+        serving = [w for w in self.workers.values() if w.alive and not w.draining]
+        tokens = sum(w.estimated_tokens(r) for w in serving for r in w.core.waiting)
+        rates = [w.throughput.tokens_per_s for w in serving]
+        return max(MIN_RETRY_S, estimated_wait_s(tokens, sum(r for r in rates if r)))
+
+    async def _refuse_for_load(self, context, span, message: str, retry_s: float):
+        context.set_trailing_metadata(wire.retry_hint(retry_s))
+        await self._abort(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry in about {retry_s:.0f} s")
 
     async def Submit(self, request, context):
         span = self.tracer.start_span("kvmesh.schedule", kind=telemetry.SpanKind.SERVER,
@@ -115,11 +120,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _submit(self, request, context, span):
         if (waiting := self.waiting_count()) >= self.cfg.max_queue_len:
-            hint = self.retry_hint_s()
-            context.set_trailing_metadata((("retry-after-ms", str(int(hint * 1000))),))
-            await self._abort(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"queue is full ({waiting} waiting, limit max_queue_len={self.cfg.max_queue_len}); "
-                              f"retry in about {hint:.0f} s")
+            await self._refuse_for_load(context, span, f"queue is full ({waiting} waiting, limit "
+                                        f"max_queue_len={self.cfg.max_queue_len})", self.retry_hint_s())
         if len(request.version) > MAX_VERSION_CHARS:  # before it is echoed in an UNAVAILABLE message
             await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT,
                               f"version: has {len(request.version)} characters, over the limit of {MAX_VERSION_CHARS}")
@@ -139,6 +141,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         worker = self.pick_worker(hashes, request.version)
         if worker is None:  # the one found above left meanwhile
             await self._no_worker(request, context, span)
+        wait_s = worker.estimated_wait_s()
+        if (retry_s := overload_retry_s(wait_s, self.cfg.max_queue_wait_s)) is not None:
+            await self._refuse_for_load(context, span, f"overloaded: a request queued now would wait about {wait_s:.0f} s "
+                                        f"to start, over what max_queue_wait_s={self.cfg.max_queue_wait_s:g} allows", retry_s)
         req.eos_token_ids = tuple(worker.info.eos_token_ids)
         if req.request_id in self.active_ids:
             await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, f"request_id {req.request_id!r} is already in use")
@@ -156,6 +162,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             while not finished:
                 event: TokenEvent = await queue.get()
                 finished = event.finish_reason is not None
+                if event.refused:  # never started: the client may retry elsewhere or later
+                    await self._refuse_for_load(context, span, event.message, self.retry_hint_s())
                 if not queue_span_done and (req.first_scheduled_time is not None or finished):
                     queue_span_done = self._record_queue_span(req, span)
                 yield _event_to_proto(event, self.owner.get(req.request_id, worker))

@@ -63,6 +63,8 @@ class CausalLM:
     """A loaded checkpoint. `forward(batch, k_cache, v_cache)` returns float32 logits for
     `batch.logit_rows`, after writing the batch's K and V into the cache."""
 
+    folder: Path | None = None  # the checkpoint folder it was loaded from (its tokenizer.json serves grammars)
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
         self.cfg = cfg
         self.dtype = dtype
@@ -87,7 +89,9 @@ class CausalLM:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
         weights = load_weights(model_dir, _tensor_names(cfg), DTYPES[dtype])
-        return cls(cfg, weights, DTYPES[dtype])
+        model = cls(cfg, weights, DTYPES[dtype])
+        model.folder = Path(model_dir)
+        return model
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."

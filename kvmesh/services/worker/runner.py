@@ -11,6 +11,10 @@ are taken at every prompt position as its prefill chunks run, and the positions 
 skipped are run again in its first chunk (their KV is read, not rewritten, so sequences sharing
 those pages are untouched).
 
+A sequence with structured output samples under its grammar (kvmesh.grammar), started when the
+sequence is added and replayed over the output it already has, so a recomputed sequence continues
+where it was. The model's grammars (its tokenizer.json) are built on the first such sequence.
+
 It trusts no plan: a new sequence with a token outside the vocabulary, a page outside the pool or
 sampling values outside their limits, a chunk it cannot run, or a row the sampler cannot draw
 fails that sequence alone (`StepResult.failed`, with the reason); the step goes on for the rest.
@@ -18,16 +22,27 @@ fails that sequence alone (`StepResult.failed`, with the reason); the step goes 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from kvmesh.grammar import Grammars
 from kvmesh.kernels.attention import SequenceSlice, causal_mask
 from kvmesh.params import InvalidRequest, validate_sampling, validate_vocabulary
 from kvmesh.services.worker.model import BatchInput, CausalLM
 from kvmesh.services.worker.sampling import SamplingRow, sample, top_logprobs
 from kvmesh.step import NewSequence, PromptLogprobs, SampledToken, ScheduledChunk, StepPlan, StepResult
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory the OS hands out as it is first written (calloc of a large
+    block maps fresh zero pages), so a large KV pool costs the pages sequences use, not a memset of
+    the whole pool at start (torch.zeros of 4 GiB takes seconds)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class KVPool:
@@ -38,8 +53,8 @@ class KVPool:
         shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
         self.num_pages = num_pages
         self.page_size = page_size
-        self.k = torch.zeros(shape, dtype=model.dtype)
-        self.v = torch.zeros(shape, dtype=model.dtype)
+        self.k = lazily_zeroed(shape, model.dtype)
+        self.v = lazily_zeroed(shape, model.dtype)
 
     @staticmethod
     def pages_for_budget(model: CausalLM, memory_bytes: int, page_size: int) -> int:
@@ -95,14 +110,30 @@ class ModelRunner:
         self.pool = KVPool(model, num_pages, page_size)
         self.seqs: dict[str, SequenceState] = {}
 
-    def _add(self, new: NewSequence) -> None:
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The model's grammars; ValueError when its folder (or tokenizer.json) is unknown."""
+        cfg = self.model.cfg
+        try:
+            return Grammars.from_folder(self.model.folder, cfg.vocab_size, list(cfg.eos_token_ids))
+        except (TypeError, OSError) as e:
+            raise ValueError(f"structured_output: the model's tokenizer.json cannot be read ({e})") from None
+
+    def _add(self, new: NewSequence) -> str | None:
+        """Adds the sequence; why not, when its grammar cannot start."""
         prompt = new.token_ids[: new.num_prompt_tokens]
         output = list(new.token_ids[new.num_prompt_tokens :])
+        row = SamplingRow(new.sampling, prompt, output)
+        if new.sampling.structured_output is not None:
+            try:
+                row.grammar = self.grammars.start(new.sampling.structured_output, output)
+            except ValueError as e:
+                return str(e)
         self.seqs[new.seq_id] = SequenceState(
             seq_id=new.seq_id,
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
-            sampling_row=SamplingRow(new.sampling, prompt, output),
+            sampling_row=row,
             page_ids=[],
             num_computed_tokens=new.num_computed_tokens,
             page_size=self.page_size,
@@ -113,6 +144,7 @@ class ModelRunner:
         if new.sampling.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
             state.prompt_logprobs = PromptLogprobs([], [], [])
             state.rerun_prefix = new.num_computed_tokens
+        return None
 
     def _new_sequence_problem(self, new: NewSequence) -> str | None:
         """Why this worker cannot take the new sequence, or None."""
@@ -243,9 +275,7 @@ class ModelRunner:
         for seq_id in plan.dropped:
             self.seqs.pop(seq_id, None)
         for new in plan.new:
-            if (problem := self._new_sequence_problem(new)) is None:
-                self._add(new)
-            else:
+            if (problem := self._new_sequence_problem(new) or self._add(new)) is not None:
                 failed[new.seq_id] = problem
         chunks = self._runnable(plan.scheduled, failed)
         if not chunks:
@@ -264,8 +294,11 @@ class ModelRunner:
                 failed[state.seq_id] = failures[i]
                 del self.seqs[state.seq_id]
                 continue
+            if (refused := state.sampling_row.accept(token_id)) is not None:
+                failed[state.seq_id] = refused
+                del self.seqs[state.seq_id]
+                continue
             state.token_ids.append(token_id)
-            state.sampling_row.output_ids.append(token_id)
             out.append(self._sampled_token(state, token_id, logprob, raw[i]))
         return StepResult(tokens=out, forward_s=time.perf_counter() - started, failed=failed)
 

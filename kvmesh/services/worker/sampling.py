@@ -7,6 +7,10 @@ any batch, after preemption and on another worker. The reported logprob is the c
 log-probability under the model's raw distribution (before any processing), as vLLM reports it.
 `top_logprobs` gives the likeliest tokens of a row under that same raw distribution.
 A row that cannot be sampled (its logits or probabilities are not finite) fails alone; the others are drawn.
+A row with a grammar (structured output) draws only among the tokens the grammar allows next: its
+logits are masked (-inf) before the processing above, which cannot lift a forbidden token back
+(-inf plus a bias is still -inf), and the grammar advances with the token accepted. The reported
+logprobs stay the raw distribution's, unmasked.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmesh import grammar
+from kvmesh.grammar import GrammarState
 from kvmesh.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -36,6 +42,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
+    grammar: GrammarState | None = None  # structured output: where the sequence stands in its grammar
     # logit_bias as tensors, made once per sequence rather than once per draw.
     bias_ids: torch.Tensor | None = field(default=None, init=False, repr=False)
     bias_values: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -48,8 +55,16 @@ class SamplingRow:
 
     @property
     def processed(self) -> bool:
-        """Whether its logits change before the draw (otherwise greedy is a plain argmax)."""
+        """Whether its logits change before the draw beyond the grammar's mask (otherwise greedy is
+        a plain argmax of the masked logits)."""
         return self.params.has_penalties or self.bias_ids is not None
+
+    def accept(self, token_id: int) -> str | None:
+        """Records the sampled token and advances the grammar; why not, when the grammar refuses it."""
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            return f"structured_output: the grammar does not allow token {token_id}"
+        self.output_ids.append(token_id)
+        return None
 
 
 def _apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -84,6 +99,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     if logprobs is None:
         logprobs = torch.log_softmax(logits, dim=-1)
     failures: dict[int, str] = {}
+    if any(r.grammar is not None for r in rows):
+        # The grammar's mask is -inf on every token it forbids, so no logit_bias or penalty added
+        # after it (in _sample_row) makes one of them drawable again.
+        logits = _constrained(logits, rows, failures)
     if all(r.params.greedy and not r.processed for r in rows):
         chosen = logits.argmax(dim=-1)
     else:
@@ -102,6 +121,29 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         if not math.isfinite(logprob) and i not in failures:
             failures[i] = "the model's logits for it are not finite"
     return chosen.tolist(), picked, failures
+
+
+def _constrained(logits: torch.Tensor, rows: list[SamplingRow], failures: dict[int, str]) -> torch.Tensor:
+    """A copy of `logits` where each grammar row keeps only the tokens its grammar allows next; a row
+    whose grammar fails, or allows nothing, goes into `failures`."""
+    logits = logits.clone()
+    bitmask = grammar.allocate_bitmask(len(rows), logits.shape[1])
+    constrained = []
+    for i, r in enumerate(rows):
+        if r.grammar is None:
+            continue
+        try:
+            r.grammar.fill(bitmask, i)
+            constrained.append(i)
+        except Exception as e:  # this row's grammar, not the batch
+            failures[i] = f"structured_output: {e}"
+    if constrained:
+        grammar.apply_bitmask(logits, bitmask, constrained)
+        allowed = torch.isfinite(logits[constrained]).any(dim=-1).tolist()
+        for i, ok in zip(constrained, allowed):
+            if not ok:
+                failures.setdefault(i, "structured_output: the grammar allows no further token")
+    return logits
 
 
 def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
