@@ -9,6 +9,7 @@ vLLM do; fields OpenAI has and kvmesh cannot honour are refused by name.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -202,6 +203,7 @@ def _why(error: dict) -> str:
         return "is required"
     message = error["msg"].removeprefix("Value error, ")
     message = message.replace("Input should be", "must be").replace("List should have", "must have")
+    message = re.sub(r" or instance of \w+", "", message)  # a nested model's class name means nothing to a client
     if error["type"] != "value_error":  # our own messages say what they got
         message += f", got {_shown(error.get('input'))}"
     return message
