@@ -36,6 +36,9 @@ FAILURE_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "U
                  "CANCELLED", "INTERNAL", "UNKNOWN")
 
 
+KEY_OUTCOMES = ("admitted", "requests_per_s", "tokens_per_min", "max_concurrent")
+
+
 class RouterMetrics:
     """Per request, as the client sees it (gRPC and HTTP alike). Prefill, decode and inference times
     are vLLM's, from the finish's timings: first token minus queue time, last token minus first,
@@ -78,11 +81,25 @@ class RouterMetrics:
         self.max_tokens = Histogram("kvmesh_request_params_max_tokens", "max_tokens (max_new_tokens) of finished requests.",
                                     m, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
         # Per API key: labelled by the key's id, never the key (ids come from the keys file: bounded).
-        self.key_requests = Counter("kvmesh_api_key_requests", "Requests per API key id, by outcome: admitted, or "
-                                    "refused by requests_per_s, tokens_per_min or max_concurrent.",
-                                    ("key_id", "outcome"), registry=registry)
-        self.key_tokens = Counter("kvmesh_api_key_tokens", "Prompt and output tokens charged to an API key id.",
-                                  ("key_id",), registry=registry)
+        # Made by start_keys, so that a router without keys exports no family without samples.
+        self._registry = registry
+        self.key_requests: Counter | None = None
+        self.key_tokens: Counter | None = None
+
+    def start_keys(self, key_ids: list[str]) -> None:
+        """Creates the per-key series at 0 for these ids (at start, and after the keys file changed)."""
+        if not key_ids:
+            return
+        if self.key_requests is None:
+            self.key_requests = Counter("kvmesh_api_key_requests", "Requests per API key id, by outcome: admitted, "
+                                        "or refused by requests_per_s, tokens_per_min or max_concurrent.",
+                                        ("key_id", "outcome"), registry=self._registry)
+            self.key_tokens = Counter("kvmesh_api_key_tokens", "Prompt and output tokens charged to an API key id.",
+                                      ("key_id",), registry=self._registry)
+        for key_id in key_ids:
+            for outcome in KEY_OUTCOMES:
+                self.key_requests.labels(key_id, outcome)
+            self.key_tokens.labels(key_id)
 
     def start(self, model: str) -> None:
         """Creates `model`'s series at 0 (counters, histograms and gauges), so they are scraped before any request."""

@@ -106,6 +106,9 @@ class KeyBook:
         """Whether callers must present a key (some key is configured)."""
         return bool(self._keys)
 
+    def ids(self) -> list[str]:
+        return sorted({limits.id for limits in self._keys.values()})
+
     def find(self, key: str) -> KeyLimits | None:
         return self._keys.get(_digest(key)) if key else None
 

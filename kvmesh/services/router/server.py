@@ -69,6 +69,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self._by_name = {n: p for p in self.pools.values() for n in (p.name, *p.aliases)}
         for name in self.pools:
             self.metrics.start(name)
+        self.metrics.start_keys(self.keys.ids())
         self.registry = registry
         self._seeds = random.Random()
 
@@ -198,7 +199,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 await asyncio.wait_for(changed.wait(), timeout=1.0)
             except TimeoutError:
                 pass
-            self.keys.reload(force=changed.is_set())
+            if self.keys.reload(force=changed.is_set()):
+                self.metrics.start_keys(self.keys.ids())
             changed.clear()
 
     async def _admit(self, key: KeyLimits | None, span: telemetry.Span) -> Admission | None:
