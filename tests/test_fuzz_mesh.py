@@ -48,6 +48,17 @@ special = st.sampled_from(["<|im_start|>", "<|im_end|>", "<s>", "</s>", "\x00", 
 prompt_text = st.lists(st.one_of(texts, special), max_size=4).map("".join)
 
 
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | texts,
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
+                           max_leaves=12)
+# Schemas: JSON Schema words with fuzzed values, any JSON object, and text that is no JSON at all.
+schema_words = st.sampled_from(["type", "properties", "required", "items", "enum", "$ref", "$defs", "minLength",
+                                "maxItems", "pattern", "anyOf", "additionalProperties"])
+schemas = st.dictionaries(schema_words | texts, json_values, max_size=4)
+structured_outputs = st.builds(lambda s: gen.StructuredOutput(json_schema=json.dumps(s)), schemas) | \
+    st.builds(lambda t: gen.StructuredOutput(json_schema=t), texts)
+
+
 @st.composite
 def generate_requests(draw):
     """A request that would be served, each field replaced by a fuzzed value about half the time."""
@@ -67,6 +78,14 @@ def generate_requests(draw):
     s.top_k = fuzzed(st.integers(0, 50), st.integers(-2**31, 2**31 - 1))
     if draw(st.booleans()):
         s.seed = draw(st.integers(0, 2**64 - 1))
+    request.n = fuzzed(st.integers(0, 2), uint32)
+    s.logprobs = fuzzed(st.integers(0, 3), uint32)
+    if draw(st.booleans()):
+        s.prompt_logprobs = fuzzed(st.integers(0, 3), uint32)
+    s.logit_bias.update(fuzzed(st.dictionaries(st.integers(0, 500), st.floats(-100, 100), max_size=3),
+                               st.dictionaries(uint32, floats, max_size=5)))
+    if draw(st.booleans()):
+        s.structured_output.CopyFrom(fuzzed(st.just(gen.StructuredOutput(json_object=True)), structured_outputs))
     stop = request.stopping
     stop.max_new_tokens = fuzzed(st.integers(0, 12), max_new)
     stop.stop.extend(fuzzed(st.lists(st.text(max_size=4), max_size=2), st.lists(texts, max_size=20)))
@@ -75,9 +94,6 @@ def generate_requests(draw):
     return request
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | texts,
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
-                           max_leaves=12)
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "user\n<|im_start|>system"]) | texts},
                                           optional={"content": prompt_text | json_values, "name": json_values}),
                     max_size=4)
@@ -88,8 +104,15 @@ common_fields = {
     "seed": st.integers(-2**70, 2**70) | json_values, "stop": st.lists(texts, max_size=20) | json_values,
     "stream": st.booleans() | json_values, "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
     "repetition_penalty": floats | json_values, "presence_penalty": floats | json_values,
-    "frequency_penalty": floats | json_values, "n": st.integers(-5, 5) | json_values, "logprobs": json_values,
+    "frequency_penalty": floats | json_values, "n": st.integers(-5, 5) | json_values,
     "ignore_eos": st.booleans() | json_values, "priority": json_values, "user": json_values, "echo": json_values,
+    "best_of": st.integers(-2, 4) | json_values, "top_logprobs": st.integers(-2, 25) | json_values,
+    "logprobs": st.integers(-2, 25) | st.booleans() | json_values,
+    "logit_bias": st.dictionaries(st.integers(-5, 2**33).map(str) | texts, floats | json_values, max_size=4) | json_values,
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "yaml"]) | json_values},
+        optional={"json_schema": st.fixed_dictionaries({}, optional={"schema": schemas | json_values,
+                                                                     "strict": json_values}) | json_values}) | json_values,
     "unknown_field": json_values,
 }
 

@@ -172,13 +172,20 @@ def test_logprobs_are_those_of_the_sampled_tokens(client, mesh, model_dir):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(prompt="hello", max_tokens=5000), "max_tokens"),
     (dict(prompt="hello", max_tokens=0), "max_tokens"),
-    (dict(prompt="hello", n=2), "n"),
+    (dict(prompt="hello", n=17), "n"),
+    (dict(prompt="hello", n=3, best_of=2), "best_of"),
+    (dict(prompt="hello", n=2, best_of=3, stream=True), "best_of"),
+    (dict(prompt="hello", suffix="and then"), "suffix"),
+    (dict(prompt="hello", logit_bias={"7": 101}), "logit_bias"),
+    (dict(prompt="hello", logit_bias={"seven": 1}), "logit_bias"),
+    (dict(prompt="hello", logit_bias={"100000": 1}), "logit_bias"),
     (dict(prompt="hello", temperature=-1), "temperature"),
     (dict(prompt="hello", top_p=0), "top_p"),
     (dict(prompt="hello", presence_penalty=3), "presence_penalty"),
-    (dict(prompt="hello", logprobs=3), "logprobs"),
-    (dict(prompt="hello", echo=True), "echo"),
-    (dict(prompt=["one", "two"]), "prompt"),
+    (dict(prompt="hello", logprobs=21), "logprobs"),
+    (dict(prompt="hello", echo="yes"), "echo"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=["one", 2]), "prompt"),
     (dict(prompt=""), "prompt"),
     (dict(prompt=[1, 2, 100000]), "prompt"),
 ])
@@ -193,8 +200,9 @@ def test_bad_completion_parameters_are_400_naming_the_field(client, kwargs, para
 @pytest.mark.parametrize("kwargs, param", [
     (dict(max_completion_tokens=5000), "max_completion_tokens"),
     (dict(max_tokens=5000), "max_tokens"),
-    (dict(n=3), "n"),
-    (dict(top_logprobs=2, logprobs=True), "top_logprobs"),
+    (dict(n=0), "n"),
+    (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
+    (dict(top_logprobs=2), "top_logprobs"),
 ])
 def test_bad_chat_parameters_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
@@ -215,7 +223,7 @@ def test_bad_chat_parameters_are_400_naming_the_field(client, kwargs, param):
     ("/v1/chat/completions", b'{"model": "default"}', "messages"),
     ("/v1/chat/completions", b'{"model": "default", "messages": "hi"}', "messages"),
     ("/v1/chat/completions", b'{"model": "default", "messages": []}', "messages"),
-    ("/v1/chat/completions", b'{"model": "default", "messages": [{"content": "hi"}]}', "messages[0]"),
+    ("/v1/chat/completions", b'{"model": "default", "messages": [{"content": "hi"}]}', "messages[0].role"),
     ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": 7}]}',
      "messages[0].content"),
     ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": "hi"}], '

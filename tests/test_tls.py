@@ -242,6 +242,25 @@ async def _read_all(call):
     return [m async for m in call]
 
 
+def test_logprobs_and_choices_cross_the_mutually_authenticated_mesh(tls_mesh, model_dir):
+    ids = Tokenizer.from_dir(model_dir).encode("alpha beta gamma delta")
+    request = gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=ids), n=2,
+                                  sampling=gen.SamplingParams(seed=1, logprobs=3, prompt_logprobs=2),
+                                  stopping=gen.StoppingParams(max_new_tokens=4, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(tls_mesh.addr) as ch:
+            return [r async for r in generation_pb2_grpc.GenerationStub(ch).Generate(request, timeout=60)]
+
+    responses = asyncio.run(run())
+    tokens = {i: [t for r in responses if r.index == i for t in r.tokens] for i in (0, 1)}
+    assert [len(tokens[0]), len(tokens[1])] == [4, 4]
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob for ts in tokens.values() for t in ts)
+    [prompt] = [list(r.prompt_tokens) for r in responses if r.prompt_tokens]
+    assert [t.id for t in prompt] == ids and all(len(t.top_logprobs) == 2 for t in prompt[1:])
+    assert sum(r.HasField("finish") for r in responses) == 2
+
+
 def test_plaintext_and_wrong_ca_clients_are_refused_on_every_internal_port(tls_mesh, tmp_path):
     rogue = MeshCertificates.create(tmp_path).identity("client")
     ca = tls_mesh.certs.ca_path.read_bytes()

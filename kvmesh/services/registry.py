@@ -62,6 +62,13 @@ def ready_versions(worker_records: list[dict], pool: str) -> dict[str, int]:
     return versions
 
 
+def kv_tokens(worker_records: list[dict], pool: str) -> int | None:
+    """Tokens the smallest KV pool among `pool`'s registered workers holds (None: none says)."""
+    sizes = [int(w["num_pages"]) * int(w.get("page_size", 16)) for w in worker_records
+             if pool_of(w) == pool and w.get("num_pages")]
+    return min(sizes, default=None)
+
+
 def service_key(kind: str, instance_id: str) -> str:
     return f"{PREFIX}svc:{kind}:{instance_id}"
 

@@ -48,14 +48,30 @@ class StepRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., dropped: _Optional[_Iterable[str]] = ..., new: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_ids", "top_logprobs", "prompt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt: LogprobsOfPrompt
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt: _Optional[_Union[LogprobsOfPrompt, _Mapping]] = ...) -> None: ...
+
+class LogprobsOfPrompt(_message.Message):
+    __slots__ = ("logprobs", "top_ids", "top_logprobs")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "tokens", "forward_ms", "error", "failed", "failure_reasons")

@@ -67,6 +67,7 @@ class Pool:
     turn: int = 0  # round-robin over schedulers
     channels: dict = field(default_factory=dict)  # id(stub) -> its channel, to skip one that failed
     _by_address: dict = field(default_factory=dict)  # address -> (channel, stub): stubs kept across rounds
+    kv_tokens: int | None = None  # tokens the smallest ready worker's KV pool holds (None: not known yet)
 
     @classmethod
     def load(cls, name: str, folder: str, aliases: tuple[str, ...] = ()) -> "Pool":
@@ -92,6 +93,14 @@ class Pool:
         self._by_address = known
         self.schedulers = [stub for _, stub in known.values()]
         self.channels = {id(stub): ch for ch, stub in known.values()}
+
+    def room_after(self, prompt_tokens: int) -> int:
+        """Tokens a completion of this prompt can have: the rest of the context, and no more than
+        a worker's KV pool holds beside the prompt (a request that could never fit is refused)."""
+        room = self.model.max_position_embeddings - prompt_tokens
+        if self.kv_tokens is not None:
+            room = min(room, self.kv_tokens - prompt_tokens)
+        return room
 
     def next_scheduler(self):
         """Round-robin over the live schedulers, passing over one whose connection just failed (a

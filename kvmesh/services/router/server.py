@@ -19,16 +19,15 @@ import grpc
 from kvmesh import grammar, telemetry
 from kvmesh.fleet.rollout import RolloutState
 from kvmesh.metrics import RouterMetrics
-from kvmesh.params import InvalidRequest, validate_request, validate_request_id
+from kvmesh.params import MAX_CHOICES, InvalidRequest, validate_request, validate_request_id
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
-from kvmesh.services.registry import Registry, pool_of, ready_versions
+from kvmesh.services.registry import Registry, kv_tokens, pool_of, ready_versions
 from kvmesh.services.router.limits import Admission, KeyLimiter, KeyLimits, LimitExceeded
+from kvmesh.services.router.output import ChoiceOutput, alternatives, prompt_tokens
 from kvmesh.services.router.pools import Pool, parse_models, served_names
-from kvmesh.services.router.stops import StopStringMatcher
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
-from kvmesh.tokenizer import IncrementalDetokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -36,6 +35,8 @@ log = logging.getLogger("kvmesh.router")
 MAX_STOP_STRINGS = 16
 # The stop-string matcher's work per token grows with the square of a string's length.
 MAX_STOP_STRING_CHARS = 256
+# Choice i of a seeded request draws with seed + i * this (mod 2^63): distinct, reproducible seeds.
+CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
 # Every response message echoes the request id: a long one would multiply what a request costs.
 
 
@@ -100,6 +101,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             pool.set_schedulers([(a, verified[a]) for a in addresses if a in owners] or [(a, verified[a]) for a in addresses],
                                 scheduler_pb2_grpc.SchedulerStub)
             pool.versions = ready_versions(workers, pool.name)
+            pool.kv_tokens = kv_tokens(workers, pool.name)
             pool.rollout = await self._rollout(pool.name)
 
     @property
@@ -166,6 +168,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequest("stop", f"has {len(request.stopping.stop)} strings, over the limit of {MAX_STOP_STRINGS}")
         if (longest := max(map(len, request.stopping.stop), default=0)) > MAX_STOP_STRING_CHARS:
             raise InvalidRequest("stop", f"holds a string of {longest} characters, over the limit of {MAX_STOP_STRING_CHARS}")
+        if request.n > MAX_CHOICES:
+            raise InvalidRequest("n", f"must be in [1, {MAX_CHOICES}], got {request.n}")
+        if request.n > 1:  # choice i runs as request_id.i
+            validate_request_id(f"{request.request_id}.{request.n - 1}")
         ids = await self._prompt_ids(pool, request)
         sampling = wire.sampling_from_proto(request.sampling)
         stopping = wire.stopping_from_proto(request.stopping)
@@ -249,15 +255,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         pool = self._by_name.get(request.model or self.default_pool)
         model = pool.name if pool is not None else "unknown"  # a label per served pool only: bounded
         self.metrics.in_flight.labels(model).inc()
-        finished = False
+        finishes, choices = 0, max(1, request.n)
         admission = None
         try:
             admission = await self._admit(key, span)
             async for out in self._generate(request, timeout, span, started, admission):
-                finished = out.HasField("finish")
+                finishes += out.HasField("finish")
                 yield out
         except (GeneratorExit, asyncio.CancelledError):  # the caller closed the stream: its client left
-            if not finished:
+            if finishes < choices:
                 self.metrics.cancelled.labels(model).inc()
             raise
         except RouterError as e:
@@ -287,30 +293,59 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         span.set_attribute("kvmesh.request_id", submit.request_id)
         span.set_attribute("kvmesh.prompt_tokens", len(submit.prompt_token_ids))
         span.set_attribute("kvmesh.max_new_tokens", submit.stopping.max_new_tokens)
-        call = pool.next_scheduler().Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
-        detok = IncrementalDetokenizer(pool.tokenizer, submit.prompt_token_ids)
-        stops = StopStringMatcher(list(request.stopping.stop))
+        scheduler = pool.next_scheduler()  # one for all choices: the first one's prompt pages serve the others
+        choices = [self._choice(pool, scheduler, request, self._choice_submit(submit, i, request.sampling), i,
+                                timeout, span, started, admission) for i in range(max(1, request.n))]
+        merged = choices[0] if len(choices) == 1 else _after_first(choices)
+        try:
+            async for out in merged:
+                yield out
+        finally:
+            await merged.aclose()  # at once: cancels what still runs upstream
+
+    def _choice_submit(self, submit: scheduler_pb2.SubmitRequest, i: int, asked) -> scheduler_pb2.SubmitRequest:
+        """Choice i's request: its own id and seed (derived from the request's seed when one was
+        given, so the choices are distinct and reproducible); prompt logprobs with choice 0 only."""
+        if i == 0:
+            return submit
+        choice = scheduler_pb2.SubmitRequest()
+        choice.CopyFrom(submit)
+        choice.request_id = f"{submit.request_id}.{i}"
+        choice.sampling.seed = (asked.seed + i * CHOICE_SEED_STRIDE) % 2**63 if asked.HasField("seed") \
+            else self._seeds.getrandbits(63)
+        choice.sampling.ClearField("prompt_logprobs")
+        return choice
+
+    async def _choice(self, pool: Pool, scheduler, request, submit, index: int, timeout, span, started,
+                      admission: Admission | None):
+        """One completion's stream: the scheduler's token events as GenerateResponses with text."""
+        call = scheduler.Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
+        text = ChoiceOutput(pool.tokenizer, submit.prompt_token_ids, list(request.stopping.stop))
+        k = submit.sampling.logprobs
         trace_id = telemetry.trace_id_hex(span)
         itl = self.metrics.itl.labels(pool.name)
         completion, first_token_at, last_token_at = 0, None, None
         try:
             async for event in call:
-                out = gen.GenerateResponse(request_id=submit.request_id)
+                out = gen.GenerateResponse(request_id=request.request_id or submit.request_id, index=index)
+                if event.HasField("prompt"):
+                    out.prompt_tokens.extend(prompt_tokens(pool.tokenizer, submit.prompt_token_ids, event.prompt,
+                                                           submit.sampling.prompt_logprobs))
                 now = time.monotonic()
-                for token_id, logprob in zip(event.token_ids, event.logprobs):
+                for i, (token_id, logprob) in enumerate(zip(event.token_ids, event.logprobs)):
                     completion += 1
                     first_token_at = first_token_at or now
                     if last_token_at is not None:
                         itl.observe(now - last_token_at)
                     last_token_at = now
-                    text = stops.push(detok.push(token_id))
-                    out.tokens.append(gen.Token(id=token_id, text=text, logprob=logprob))
-                    if stops.stopped:
+                    out.tokens.append(text.token(token_id, logprob, alternatives(event.top_ids, event.top_logprobs, k, i)
+                                                 if k else ()))
+                    if text.stopped:
                         break
-                reason = gen.STOP if stops.stopped else event.finish_reason
+                reason = gen.STOP if text.stopped else event.finish_reason
                 if reason != gen.FINISH_REASON_UNSPECIFIED:
-                    if not stops.stopped and out.tokens:
-                        out.tokens[-1].text += stops.push(detok.flush()) + stops.flush()
+                    if out.tokens:
+                        out.tokens[-1].text += text.finish()
                     finish = gen.Finish(
                         reason=reason, prompt_tokens=len(submit.prompt_token_ids),
                         cached_prompt_tokens=event.cached_prompt_tokens, completion_tokens=completion,
@@ -327,7 +362,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         finally:
             call.cancel()  # no-op once finished; frees the request upstream when the client left
             if admission is not None:
-                admission.output_tokens = completion
+                admission.output_tokens += completion  # every choice's tokens count against the key
 
     def _record_finish(self, model: str, f: gen.Finish, max_tokens: int, span: telemetry.Span) -> None:
         m = self.metrics
@@ -401,6 +436,44 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             await context.abort(e.code, e.message)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+async def _after_first(choices: list):
+    """The choices' responses as they come: the first choice alone until its first response (its
+    prompt is then computed and its full pages are in the prefix cache), then the others beside it.
+    The first error raised ends them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(choice):
+        try:
+            async for out in choice:
+                queue.put_nowait(out)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(finished)
+
+    tasks = [asyncio.create_task(pump(choices[0]))]
+    live = 1
+    try:
+        while live:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if len(tasks) == 1:  # the first choice's first response (or its end): start the rest
+                tasks += [asyncio.create_task(pump(c)) for c in choices[1:]]
+                live += len(choices) - 1
+            if item is finished:
+                live -= 1
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for choice in choices[len(tasks):]:
+            await choice.aclose()
 
 
 async def serve(common: CommonConfig, cfg: RouterConfig) -> None:

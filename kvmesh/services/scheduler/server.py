@@ -38,7 +38,7 @@ from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outco
 from kvmesh.services.scheduler.overload import MIN_RETRY_S, estimated_wait_s, overload_retry_s
 from kvmesh.services.scheduler.placement import PlacementConfig, choose_worker
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
-from kvmesh.services.scheduler.worker_loop import WorkerLoop
+from kvmesh.services.scheduler.worker_loop import LogprobsTokenEvent, WorkerLoop
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_channel, mesh_identity, mesh_server_credentials
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -407,6 +407,11 @@ def _event_to_proto(event: TokenEvent, worker: WorkerLoop) -> scheduler_pb2.Toke
     if event.token_id is not None:
         m.token_ids.append(event.token_id)
         m.logprobs.append(event.logprob)
+    if isinstance(event, LogprobsTokenEvent):
+        m.top_ids.extend(event.sampled.top_ids)
+        m.top_logprobs.extend(event.sampled.top_logprobs)
+        if event.sampled.prompt is not None:
+            m.prompt.CopyFrom(wire.prompt_logprobs_to_proto(event.sampled.prompt))
     if event.finish_reason is not None:
         req = event.request
         m.finish_reason = _REASONS[event.finish_reason]

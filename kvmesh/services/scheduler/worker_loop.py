@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import grpc
 
@@ -24,6 +25,7 @@ from kvmesh.services.scheduler.core import Scheduler, TokenEvent
 from kvmesh.services.scheduler.overload import Throughput, estimated_wait_s
 from kvmesh.services.scheduler.placement import WorkerView
 from kvmesh.services.scheduler.request import FinishReason, Request
+from kvmesh.step import SampledToken, StepResult
 from kvmesh.v1 import kvcache_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("kvmesh.scheduler")
@@ -31,6 +33,23 @@ log = logging.getLogger("kvmesh.scheduler")
 
 class WorkerGone(Exception):
     pass
+
+
+@dataclass
+class LogprobsTokenEvent(TokenEvent):
+    """A token event that carries what the worker sent beside the token: its alternatives and,
+    with a first token, the prompt's logprobs (SamplingParams.logprobs, prompt_logprobs)."""
+
+    sampled: SampledToken | None = None
+
+
+def with_logprobs(events: list[TokenEvent], result: StepResult) -> list[TokenEvent]:
+    """`events`, those whose token came with alternatives or prompt logprobs carrying them."""
+    detailed = {t.seq_id: t for t in result.tokens if t.top_ids or t.prompt is not None}
+    if not detailed:
+        return events
+    return [LogprobsTokenEvent(**vars(e), sampled=detailed[e.request.request_id])
+            if e.token_id is not None and e.request.request_id in detailed else e for e in events]
 
 
 class WorkerLoop:
@@ -176,7 +195,7 @@ class WorkerLoop:
                     self._fail([c.seq_id for c in plan.scheduled], f"worker {self.worker_id} step failed: {result.error}")
                     continue
                 step_result = wire.result_from_proto(result)
-                self._dispatch(self.core.update(plan, step_result))
+                self._dispatch(with_logprobs(self.core.update(plan, step_result), step_result))
                 for seq_id, why in step_result.failed.items():
                     self._fail([seq_id], f"worker {self.worker_id} failed the request" + (f": {why}" if why else ""))
                 self._queue_ops()

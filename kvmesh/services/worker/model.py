@@ -40,6 +40,7 @@ class BatchInput:
     slots: torch.Tensor  # [T] long
     seqs: list[SequenceSlice]
     logit_rows: torch.Tensor  # [S] long
+    kv_rows: torch.Tensor | None = None  # rows whose K and V are written (None: all); others are in the cache already
 
 
 def _tensor_names(cfg: ModelConfig) -> list[str]:
@@ -128,6 +129,8 @@ class CausalLM:
         sin = self.sin[batch.positions].unsqueeze(1)
         x = self.embed[batch.token_ids]
         attention = AttentionPlan(batch.seqs)
+        kv_rows = batch.kv_rows
+        kv_slots = batch.slots if kv_rows is None else batch.slots[kv_rows]
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h)
@@ -136,7 +139,10 @@ class CausalLM:
             v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
-            write_kv(k_cache[i], v_cache[i], batch.slots, k, v)
+            if kv_rows is None:
+                write_kv(k_cache[i], v_cache[i], kv_slots, k, v)
+            else:
+                write_kv(k_cache[i], v_cache[i], kv_slots, k[kv_rows], v[kv_rows])
             attn = attention(q, k_cache[i], v_cache[i], self.scale)
             x = x + layer.o(attn.reshape(t, q_size))
             h = self._rms_norm(x, layer.post_attention_norm)

@@ -327,6 +327,6 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     registry.on_restore.append(lambda: registry.keep_epoch(worker_id, epoch))
     watcher = asyncio.create_task(watch_drain(registry, worker_id, server))
     await serve_until_stopped(server, registry, "worker", worker_id, tasks=(watcher,), record=
-                              {"address": address, "epoch": epoch, "num_pages": runner.pool.num_pages,
+                              {"address": address, "epoch": epoch, "num_pages": runner.pool.num_pages, "page_size": runner.page_size,
                                "metrics": metrics_address, "pool": cfg.pool, "version": cfg.version,
                                "model": str(model_dir or "")})
