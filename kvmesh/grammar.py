@@ -41,9 +41,13 @@ def _schema(so: StructuredOutput) -> str:
 
 def check(so: StructuredOutput) -> None:
     """Raises InvalidRequest (field structured_output.json_schema) when xgrammar cannot turn the
-    schema into a grammar (an unsupported keyword, a dangling $ref...)."""
-    import xgrammar
-
+    schema into a grammar (an unsupported keyword, a dangling $ref...), or when xgrammar is not
+    installed (it is the optional extra `kvmesh[structured]`: it pulls in transformers and triton)."""
+    try:
+        import xgrammar
+    except ImportError:
+        raise InvalidRequest("response_format", "structured output needs xgrammar on this router and its workers: "
+                             "pip install 'kvmesh[structured]'") from None
     if so.kind != "json_schema":
         return
     try:

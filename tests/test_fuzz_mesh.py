@@ -15,20 +15,13 @@ from hypothesis import strategies as st
 
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh
+
 
 EXAMPLES = 60  # per test: about half a minute each on a laptop
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
 SERVED = {gen.LENGTH, gen.STOP, gen.EOS}
-
-
-@pytest.fixture(scope="module")
-def mesh(model_dir):
-    m = Mesh(model_dir, workers=1)
-    yield m
-    m.close()
 
 
 @pytest.fixture(scope="module")

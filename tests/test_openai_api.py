@@ -18,18 +18,11 @@ from kvmesh.services.router.server import RouterError
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect, page_stats, wait_idle
+from local_mesh import collect, page_stats, wait_idle
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a river."}]
-
-
-@pytest.fixture(scope="module")
-def mesh(model_dir):
-    m = Mesh(model_dir, workers=1)
-    yield m
-    m.close()
 
 
 @pytest.fixture(scope="module")

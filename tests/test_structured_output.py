@@ -18,7 +18,7 @@ from kvmesh.services.scheduler.request import FinishReason
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect
+from local_mesh import collect
 
 # Bounded everywhere (string lengths, item counts, integer range), so a random model finishes it.
 PERSON = {
@@ -35,13 +35,6 @@ PERSON = {
     "additionalProperties": False,
 }
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def mesh(model_dir):
-    m = Mesh(model_dir, workers=1)
-    yield m
-    m.close()
 
 
 @pytest.fixture(scope="module")
