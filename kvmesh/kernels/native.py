@@ -58,20 +58,30 @@ def _isa() -> str:
     return capability if capability in _ISA_FLAGS else "base"
 
 
+def library_path() -> Path:
+    """Where torch's extension builder puts the library for this source, flags and ISA: its own
+    folder (the build root plus a Python/CUDA tag, e.g. py311_cpu/NAME), which a path made here by
+    hand would miss, finding no library and waiting on torch's build lock at every start."""
+    from torch.utils import cpp_extension
+
+    isa = _isa()
+    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[isa]]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+    name = f"kvmesh_attention_{isa}_{digest}"
+    return Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+
+
 @cache
 def decode_attention():
     """The decode attention operator, built on first call; None where it cannot be built."""
     if os.environ.get("KVMESH_NATIVE_KERNELS", "1") == "0":
         return None
-    isa = _isa()
-    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[isa]]
+    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[_isa()]]
     try:
         from torch.utils import cpp_extension
 
-        digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
-        name = f"kvmesh_attention_{isa}_{digest}"
-        build_dir = Path(cpp_extension.get_default_build_root()) / name
-        built = build_dir / f"{name}.so"
+        built = library_path()
+        build_dir, name = built.parent, built.stem
         if built.is_file():
             torch.ops.load_library(str(built))
         else:
