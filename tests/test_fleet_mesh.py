@@ -186,8 +186,11 @@ def test_a_canary_that_fails_requests_is_rolled_back_with_the_reason(one_worker_
         assert failed and all(f.model_version == "v2" and "canary-0" in f.message for f in failed)
         status = rollout(mesh, "status", "--model", "default")
         assert "rolled_back" in status and "error rate" in status
-        time.sleep(1.5)  # the routers see the rollback
-        after = asyncio.run(run_all(mesh.addr, [greedy(f"after rollback {i}", 3) for i in range(12)]))
+        deadline = time.monotonic() + 30  # the routers read the rollback from Redis
+        while True:
+            after = asyncio.run(run_all(mesh.addr, [greedy(f"after rollback {i}", 3) for i in range(12)]))
+            if all(r[3].model_version == "v1" for r in after) or time.monotonic() > deadline:
+                break
         assert all(r[3].model_version == "v1" and r[3].reason == gen.LENGTH for r in after)
     finally:
         canary.close()

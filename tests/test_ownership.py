@@ -52,7 +52,9 @@ def test_one_owner_per_worker_and_tokens_only_grow_even_after_redis_lost_everyth
             assert await registry.worker_owners(["w", "other"]) == {"w": ("sched-a", 1)}
             assert await registry.renew_worker("w", "sched-b", 1, 0.5) == 0
             assert await registry.renew_worker("w", "sched-a", 1, 0.5) == 1
-            await asyncio.sleep(0.7)  # a dies: its lease expires
+            deadline = asyncio.get_running_loop().time() + 10  # a dies: its lease expires (ttl 0.5 s)
+            while await registry.worker_owners(["w"]) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
             assert await registry.renew_worker("w", "sched-a", 1, 0.5) == -1
             assert await b.claim("w", None, floor=1) == 2  # adoption: a larger token
             assert await a.claim("w", ("sched-b", 2), floor=2) == 0
