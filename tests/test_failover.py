@@ -283,3 +283,47 @@ def _answers(r):
         return r.ping()
     except redis.RedisError:
         return False
+
+
+def test_16_streams_are_exact_through_a_kvcache_kill_and_its_restart(two_schedulers, model_dir):
+    """kvcache is off the per-step path (page operations go to it write-behind): its SIGKILL stops
+    no stream, and once it is back on the same port every page is accounted for again."""
+    mesh, r = two_schedulers
+    kvcache = mesh.child("kvcache")
+    n_tokens = 96
+    prompts = [prompt(100 + i, 10 + i % 5) for i in range(16)]
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            progress = [0] * 16
+
+            async def stream(i):
+                tokens, logprobs, finish = [], [], None
+                async for response in stub.Generate(greedy_ids(prompts[i], n_tokens), timeout=300):
+                    tokens += [t.id for t in response.tokens]
+                    logprobs += [t.logprob for t in response.tokens]
+                    progress[i] = len(tokens)
+                    finish = response.finish if response.HasField("finish") else finish
+                return tokens, logprobs, finish
+
+            streams = [asyncio.create_task(stream(i)) for i in range(16)]
+            while not all(progress):  # every stream is mid-generation
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(kill, kvcache)
+            in_flight = sum(not s.done() for s in streams)
+            kvcache.start()  # same command line, same port
+            results = await asyncio.gather(*streams)
+            return results, in_flight
+
+    results, in_flight = asyncio.run(scenario())
+    assert in_flight > 0, "every stream ended before kvcache was killed"
+    compared = 0
+    for ids, (tokens, logprobs, finish) in zip(prompts, results):
+        assert finish.reason == gen.LENGTH and len(tokens) == n_tokens
+        compared += assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, ids, n_tokens))
+    assert compared >= 16 * 8, compared
+    wait_serving(kvcache.address, 60, kvcache.process)
+    results = asyncio.run(_many(mesh.addr, 4))  # new requests after the restart
+    assert all(finish.reason == gen.LENGTH for _, _, _, finish in results)
+    assert_pages_returned(mesh, r)
