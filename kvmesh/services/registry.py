@@ -3,8 +3,9 @@
 A service writes `kvmesh:svc:<kind>:<id>` (a JSON record with its address and facts) with a TTL
 and renews it every third of the TTL; a process that dies disappears when its lease expires,
 so adding or removing a process needs no configuration change. Worker epochs live here too:
-`kvmesh:worker:<id>:epoch` is bumped at every worker start. This module is the only one that
-builds these key strings.
+`kvmesh:worker:<id>:epoch` is bumped at every worker start. `kvmesh:request:<id>` names the
+scheduler that holds a resumable request (a lease its scheduler renews), for a router to attach
+a reconnecting client to it. This module is the only one that builds these key strings.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def ready_versions(worker_records: list[dict], pool: str) -> dict[str, int]:
 
 def service_key(kind: str, instance_id: str) -> str:
     return f"{PREFIX}svc:{kind}:{instance_id}"
+
+
+def request_holder_key(request_id: str) -> str:
+    """The address of the scheduler holding a resumable request (kvmesh.v1.Scheduler/Attach)."""
+    return f"{PREFIX}request:{request_id}"
 
 
 def rollout_key(model: str) -> str:
@@ -109,6 +115,17 @@ class Registry:
         """One live service's record, or None when it holds no lease."""
         value = await self.redis.get(service_key(kind, instance_id))
         return json.loads(value) if value else None
+
+    async def hold_requests(self, request_ids, address: str, ttl_s: float) -> None:
+        """Says, for `ttl_s`, that the scheduler at `address` holds these requests (one pipeline)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.set(request_holder_key(request_id), address, px=int(ttl_s * 1000))
+            await pipe.execute()
+
+    async def request_holder(self, request_id: str) -> str | None:
+        """The address of the scheduler holding `request_id`, or None when none says it does."""
+        return await self.redis.get(request_holder_key(request_id))
 
     async def rollout(self, model: str) -> dict | None:
         value = await self.redis.get(rollout_key(model))

@@ -25,9 +25,8 @@ from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry, pool_of, ready_versions
 from kvmesh.services.router.pools import Pool, parse_models
-from kvmesh.services.router.stops import StopStringMatcher
+from kvmesh.services.router.stream import TokenRelay
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
-from kvmesh.tokenizer import IncrementalDetokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -36,6 +35,9 @@ MAX_STOP_STRINGS = 16
 # The stop-string matcher's work per token grows with the square of a string's length.
 MAX_STOP_STRING_CHARS = 256
 # Every response message echoes the request id: a long one would multiply what a request costs.
+# A scheduler call that broke this way lost its scheduler (or its connection to it): resubmit.
+RESUMABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+RESUME_BACKOFF_S, RESUME_BACKOFF_CAP_S = 0.05, 1.0
 
 
 class RouterError(Exception):
@@ -44,6 +46,34 @@ class RouterError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, trailing: tuple = (), field: str = ""):
         super().__init__(message)
         self.code, self.message, self.trailing, self.field = code, message, trailing, field
+
+
+class _Lost(Exception):
+    """A scheduler call that ended without the request's finish: it must be resubmitted.
+    `heard`: the call had streamed events (the request was running there)."""
+
+    def __init__(self, why: str, heard: bool):
+        super().__init__(why)
+        self.heard = heard
+
+
+async def _events_of(call):
+    """A scheduler call's events, to the finish. _Lost when the call breaks (RESUMABLE_CODES),
+    ends without a finish, or ends because the request's worker was lost; other errors raise."""
+    heard = False
+    try:
+        async for event in call:
+            if event.worker_lost:
+                raise _Lost(f"worker {event.worker_id or '?'} was lost ({event.message})", heard=True)
+            heard = True
+            yield event
+            if event.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
+                return
+    except grpc.aio.AioRpcError as e:
+        if e.code() not in RESUMABLE_CODES:
+            raise
+        raise _Lost(f"its scheduler call broke ({e.code().name}: {e.details()})", heard) from None
+    raise _Lost("the scheduler ended the stream without a finish", heard)
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
@@ -174,17 +204,20 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         return self.tracer.start_span("kvmesh.generate", context=telemetry.context_from_metadata(metadata),
                                       kind=telemetry.SpanKind.SERVER)
 
-    async def generate(self, request, timeout: float | None, span: telemetry.Span):
+    async def generate(self, request, timeout: float | None, span: telemetry.Span, resumable: bool = False):
         """Streams GenerateResponse messages for one request; the last one carries `finish`.
         Raises RouterError for bad input (INVALID_ARGUMENT), an unknown model (NOT_FOUND), nothing
         ready (UNAVAILABLE) and a scheduler's error status, passed on as it came (retry hint included).
+        A request whose scheduler or worker dies is resubmitted with the tokens already streamed
+        (UNAVAILABLE when no scheduler takes it within resume_timeout_s). `resumable`: the client
+        can resume the request by its request_id, so the scheduler holds it when the stream drops.
         Records the request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
         started = time.monotonic()
         model = request.model or self.default_pool
         model = model if model in self.pools else "unknown"  # a label per served pool only: bounded
         self.metrics.in_flight.labels(model).inc()
         try:
-            async for out in self._generate(request, timeout, span, started):
+            async for out in self._generate(request, timeout, span, started, resumable):
                 yield out
         except RouterError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:  # unknown names would grow the label set without bound
@@ -194,12 +227,16 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         finally:
             self.metrics.in_flight.labels(model).dec()
 
-    async def _generate(self, request, timeout, span, started):
+    async def _generate(self, request, timeout, span, started, resumable):
         pool = self.pool_for(request.model)
         try:
             submit = await self._validated(pool, request)
+            resume_from = request.resume_from if request.HasField("resume_from") else None
+            if resume_from is not None and not request.request_id:
+                raise InvalidRequest("resume_from", "needs the request_id of the stream to resume")
         except InvalidRequest as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field) from None
+        submit.resumable = resumable
         if not pool.ready:
             waited = time.monotonic()
             await self._ready_pool(pool, timeout)
@@ -209,45 +246,113 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         span.set_attribute("kvmesh.request_id", submit.request_id)
         span.set_attribute("kvmesh.prompt_tokens", len(submit.prompt_token_ids))
         span.set_attribute("kvmesh.max_new_tokens", submit.stopping.max_new_tokens)
-        call = pool.next_scheduler().Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
-        detok = IncrementalDetokenizer(pool.tokenizer, submit.prompt_token_ids)
-        stops = StopStringMatcher(list(request.stopping.stop))
+        relay = TokenRelay(pool.tokenizer, list(submit.prompt_token_ids), list(request.stopping.stop), resume_from or 0)
+        deadline = None if timeout is None else time.monotonic() + timeout
         trace_id = telemetry.trace_id_hex(span)
         itl = self.metrics.itl.labels(pool.name)
-        completion, first_token_at, last_token_at = 0, None, None
-        try:
-            async for event in call:
-                out = gen.GenerateResponse(request_id=submit.request_id)
-                now = time.monotonic()
-                for token_id, logprob in zip(event.token_ids, event.logprobs):
-                    completion += 1
+        first_token_at, last_token_at = None, None
+        async for event in self._events(pool, submit, resume_from, deadline, span, relay):
+            out = gen.GenerateResponse(request_id=submit.request_id)
+            now = time.monotonic()
+            for token_id, logprob in zip(event.token_ids, event.logprobs):
+                token = relay.push(token_id, logprob)
+                if token is not None:
                     first_token_at = first_token_at or now
                     if last_token_at is not None:
                         itl.observe(now - last_token_at)
                     last_token_at = now
-                    text = stops.push(detok.push(token_id))
-                    out.tokens.append(gen.Token(id=token_id, text=text, logprob=logprob))
-                    if stops.stopped:
-                        break
-                reason = gen.STOP if stops.stopped else event.finish_reason
-                if reason != gen.FINISH_REASON_UNSPECIFIED:
-                    if not stops.stopped and out.tokens:
-                        out.tokens[-1].text += stops.push(detok.flush()) + stops.flush()
-                    finish = gen.Finish(
-                        reason=reason, prompt_tokens=len(submit.prompt_token_ids),
-                        cached_prompt_tokens=event.cached_prompt_tokens, completion_tokens=completion,
-                        queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
-                        total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
-                        worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version)
-                    self._record_finish(pool.name, finish, span)
-                    out.finish.CopyFrom(finish)
-                    yield out
-                    return
+                    out.tokens.append(token)
+                if relay.stopped:
+                    break
+            reason = gen.STOP if relay.stopped else event.finish_reason
+            if reason != gen.FINISH_REASON_UNSPECIFIED:
+                if len(relay.token_ids) < relay.skip:
+                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"resume_from: {relay.skip} is more than the {len(relay.token_ids)} tokens "
+                                      f"request {submit.request_id!r} produced", field="resume_from")
+                if not relay.stopped and out.tokens:
+                    out.tokens[-1].text += relay.flush()
+                finish = gen.Finish(
+                    reason=reason, prompt_tokens=len(submit.prompt_token_ids),
+                    cached_prompt_tokens=event.cached_prompt_tokens, completion_tokens=len(relay.token_ids),
+                    queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
+                    total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
+                    worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version,
+                    resumes=event.resumes)
+                self._record_finish(pool.name, finish, span)
+                out.finish.CopyFrom(finish)
                 yield out
-        except grpc.aio.AioRpcError as e:
-            raise RouterError(e.code(), e.details() or "scheduler error", tuple(e.trailing_metadata() or ())) from None
-        finally:
-            call.cancel()  # no-op once finished; frees the request upstream when the client left
+                return
+            if out.tokens:
+                yield out
+
+    async def _events(self, pool: Pool, submit, resume_from: int | None, deadline: float | None, span,
+                      relay: TokenRelay):
+        """The scheduler's TokenEvents for the request, to its last one, across every scheduler
+        call it takes: an Attach to the scheduler holding it when the client resumes
+        (`resume_from`), else a Submit; then, whenever the call breaks (UNAVAILABLE, CANCELLED: its
+        scheduler died) or ends because its worker was lost, a Submit to a live scheduler of the
+        pool with the tokens already streamed (`relay`), retried with backoff for resume_timeout_s.
+        RouterError for any other error status, and UNAVAILABLE when that time runs out."""
+        call = await self._attach(submit, resume_from) if resume_from is not None else None
+        failures, give_up = 0, None
+        while True:
+            if call is None and pool.schedulers:
+                call = self._submit(pool, submit, relay, deadline, span)
+            try:
+                if call is None:
+                    raise _Lost(f"pool {pool.name!r} has no live scheduler", heard=False)
+                async for event in _events_of(call):
+                    yield event
+                return
+            except _Lost as lost:
+                why = str(lost)
+                if lost.heard:  # it was running: this is a resume (a refused retry is not one)
+                    submit.resumes += 1
+                    failures, give_up = 0, None
+                    log.warning("request %s: %s; resuming it after %d tokens", submit.request_id, why, len(relay.token_ids))
+            except grpc.aio.AioRpcError as e:
+                if not (e.code() == grpc.StatusCode.NOT_FOUND and resume_from == 0 and not relay.token_ids):
+                    raise RouterError(e.code(), e.details() or "scheduler error", tuple(e.trailing_metadata() or ())) from None
+                call, resume_from = None, None  # nothing held and nothing received: start it afresh
+                continue
+            finally:
+                if call is not None:
+                    call.cancel()  # no-op once finished; frees the request upstream when the client left
+            call = None
+            now = time.monotonic()
+            give_up = give_up or now + self.cfg.resume_timeout_s
+            delay = min(RESUME_BACKOFF_CAP_S, RESUME_BACKOFF_S * 2 ** failures) * (0.5 + random.random() / 2)
+            failures += 1
+            if now + delay > min(give_up, deadline or give_up):
+                raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                  f"request {submit.request_id!r}: {why}, and no scheduler of pool {pool.name!r} "
+                                  f"took it over within {self.cfg.resume_timeout_s:g}s (resume_timeout_s)")
+            await asyncio.sleep(delay)
+
+    def _submit(self, pool: Pool, submit, relay: TokenRelay, deadline: float | None, span):
+        """A Submit of the request to the pool's next scheduler, continuing after the tokens streamed so far."""
+        del submit.output_token_ids[:], submit.output_logprobs[:]
+        submit.output_token_ids.extend(relay.token_ids)
+        submit.output_logprobs.extend(relay.logprobs)
+        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+        return pool.next_scheduler().Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
+
+    async def _attach(self, submit, resume_from: int):
+        """An Attach call to the scheduler holding the request; None (submit it afresh) when none
+        holds it and the client has nothing of it yet. RouterError NOT_FOUND when none holds it."""
+        rid = submit.request_id
+        holder = await self.registry.request_holder(rid)
+        channel = dict(await self.schedulers.channels([holder])).get(holder) if holder else None
+        if channel is None:
+            if resume_from == 0:
+                return None
+            log.info("request %s cannot be resumed: %s", rid, f"its holder {holder} does not answer" if holder else "no holder")
+            raise RouterError(grpc.StatusCode.NOT_FOUND,
+                              f"request_id {rid!r} is not held by any scheduler: it finished and was collected, "
+                              f"was not resumed within the grace period, or its scheduler died", field="request_id")
+        return scheduler_pb2_grpc.SchedulerStub(channel).Attach(
+            scheduler_pb2.AttachRequest(request_id=rid, prompt_token_ids=submit.prompt_token_ids))
 
     def _record_finish(self, model: str, f: gen.Finish, span: telemetry.Span) -> None:
         m = self.metrics
@@ -274,7 +379,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         trace id). The trace id is also sent first, as `kvmesh-trace-id` response metadata."""
         metadata = context.invocation_metadata()
         span = self.open_span(metadata)
-        stream = self.generate(request, context.time_remaining(), span)
+        # A request the client named can be resumed by that name: the scheduler holds it when the stream drops.
+        stream = self.generate(request, context.time_remaining(), span, resumable=bool(request.request_id))
         try:
             if trace_id := telemetry.trace_id_hex(span):
                 await context.send_initial_metadata((("kvmesh-trace-id", trace_id),))
