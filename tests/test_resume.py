@@ -314,3 +314,36 @@ def test_a_request_never_resumed_is_cancelled_after_the_grace_period_and_frees_i
     assert GRACE_S <= cancelled_after < GRACE_S + RECOVER_S
     assert all(w.used_pages == 0 for w in idle), idle
     assert gone.code() == grpc.StatusCode.NOT_FOUND and request_id in gone.details()
+
+
+def test_a_client_resumes_its_request_by_request_id_over_an_mtls_mesh(model_dir, tmp_path):
+    from kvmesh.services.launcher import MeshTLS
+    from kvmesh.services.tls import MeshCertificates
+
+    tls_mesh = Mesh(model_dir, workers=1, tls=MeshTLS(MeshCertificates.create(tmp_path / "mesh")))
+    request = gen.GenerateRequest(prompt="a stream over mutual TLS", request_id="tls-resume",
+                                  sampling=gen.SamplingParams(temperature=0.0),
+                                  stopping=gen.StoppingParams(max_new_tokens=96, ignore_eos=True))
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(tls_mesh.addr) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                calm = gen.GenerateRequest()
+                calm.CopyFrom(request)
+                calm.request_id = ""
+                undisturbed = await collect_one(stub, calm)
+                head, call = Stream(), stub.Generate(request)
+                head.take(await call.read())
+                call.cancel()  # the connection drops; the scheduler holds the request
+                resumed = gen.GenerateRequest()
+                resumed.CopyFrom(request)
+                resumed.resume_from = len(head.tokens)
+                rest = await collect_one(stub, resumed)
+                return undisturbed, head, rest
+
+        undisturbed, head, rest = asyncio.run(asyncio.wait_for(run(), RECOVER_S))
+        assert head.tokens and head.tokens + rest.tokens == undisturbed.tokens
+        assert head.text + rest.text == undisturbed.text
+        assert rest.finish.resumes == 1 and rest.finish.completion_tokens == 96
+    finally:
+        tls_mesh.close()

@@ -295,7 +295,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         pool with the tokens already streamed (`relay`), retried with backoff for resume_timeout_s.
         RouterError for any other error status, and UNAVAILABLE when that time runs out."""
         call = await self._attach(submit, resume_from) if resume_from is not None else None
-        failures, give_up = 0, None
+        failures, give_up, cause = 0, None, None
         while True:
             if call is None and pool.schedulers:
                 call = self._submit(pool, submit, relay, deadline, span)
@@ -307,6 +307,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 return
             except _Lost as lost:
                 why = str(lost)
+                if lost.heard or cause is None:
+                    cause = why  # what started these retries
                 if lost.heard:  # it was running: this is a resume (a refused retry is not one)
                     submit.resumes += 1
                     failures, give_up = 0, None
@@ -326,8 +328,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             failures += 1
             if now + delay > min(give_up, deadline or give_up):
                 raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                                  f"request {submit.request_id!r}: {why}, and no scheduler of pool {pool.name!r} "
-                                  f"took it over within {self.cfg.resume_timeout_s:g}s (resume_timeout_s)")
+                                  f"request {submit.request_id!r}: {cause}, and no scheduler of pool {pool.name!r} "
+                                  f"took it over within {self.cfg.resume_timeout_s:g}s (resume_timeout_s; last try: {why})")
             await asyncio.sleep(delay)
 
     def _submit(self, pool: Pool, submit, relay: TokenRelay, deadline: float | None, span):

@@ -4,8 +4,11 @@ Each worker of the pool found in the registry gets a `WorkerLoop` (worker_loop.p
 batching over one `Worker/Step` stream. Submit places a request on a worker (prefix overlap
 against load) and relays its tokens. A worker that dies or is drained hands its requests to
 other workers, where they are recomputed from the tokens already streamed, so streams continue
-exactly; only requests no worker can take end with an ERROR finish. Queue state, the autoscaling
-signal, health checks and the rollout controller run beside it (fleet.py).
+exactly; only requests no worker can take end with an ERROR finish (marked `worker_lost`, so the
+router resubmits them). A resumable request (its client named it) whose Submit stream drops is
+held for detach_grace_s, running on, until a router attaches to it (`Scheduler/Attach`) for a
+reconnecting client; `kvmesh:request:<id>` in Redis says which scheduler holds it. Queue state,
+the autoscaling signal, health checks and the rollout controller run beside it (fleet.py).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     within its context, sampling values within their limits), and request_id and version are
     bounded. Errors: INVALID_ARGUMENT naming the field and the limit (also when the request cannot
     fit a worker's KV pool), UNAVAILABLE when no worker is ready, RESOURCE_EXHAUSTED when the
-    queue is full."""
+    queue is full. A resubmitted request carries the tokens already streamed (output_token_ids)
+    and continues after them. Attach: see its docstring."""
 
     def __init__(self, cfg: SchedulerServiceConfig, registry: Registry, metrics: SchedulerMetrics | None = None,
                  identity: MeshIdentity | None = None):
