@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -21,12 +20,14 @@ import torch
 
 
 def workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
-    rng = random.Random(seed)
-    prompts, outputs = [], []
-    for _ in range(n):
-        prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(*input_len))])
-        outputs.append(rng.randint(*output_len))
-    return prompts, outputs
+    """Uniform lengths from `kvmesh bench`'s generator (the one every benchmark draws from)."""
+    import numpy as np
+
+    from kvmesh.bench import BenchConfig, make_workload
+
+    cfg = BenchConfig(workload="random", num_requests=n, input_len=input_len, output_len=output_len, vocab_size=vocab)
+    requests = make_workload(cfg, np.random.default_rng(seed))
+    return [r.prompt_token_ids for r in requests], [r.output_len for r in requests]
 
 
 def run_engine(model_dir: Path, prompts, outputs, args) -> dict:

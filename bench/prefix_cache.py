@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import time
 
@@ -27,10 +26,14 @@ CONFIGS = {
 
 
 def workload(num_prefixes: int, prefix_len: int, num_requests: int, vocab: int, seed: int):
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
-    order = [rng.randrange(num_prefixes) for _ in range(num_requests)]
-    return [prefixes[i] + [rng.randrange(3, vocab) for _ in range(rng.randint(16, 48))] for i in order]
+    """Shared system prompts plus 16..48-token suffixes, from `kvmesh bench`'s generator."""
+    import numpy as np
+
+    from kvmesh.bench import BenchConfig, make_workload
+
+    cfg = BenchConfig(workload="shared-prefix", num_requests=num_requests, input_len=(16, 48), vocab_size=vocab,
+                      shared_prefix_len=prefix_len, num_prefixes=num_prefixes)
+    return [r.prompt_token_ids for r in make_workload(cfg, np.random.default_rng(seed))]
 
 
 async def drive(addr: str, prompts, output_len: int, concurrency: int):

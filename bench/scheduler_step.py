@@ -12,7 +12,8 @@ No model: the "worker" answers at once with one token for every sequence the ste
 first fragmented by a burst of short requests.
 `worker`: the worker core's time per step outside the model's forward pass (applying the plan,
 building the flattened batch, sampling bookkeeping, the result to protobuf) for 256 decoding
-sequences on a tiny model whose KV pool has the same page counts (bfloat16, one KV head of 16).
+sequences on a tiny model whose KV pool has the same page counts (bfloat16, one KV head of 16),
+on one torch thread.
 Prints mean and median milliseconds per step and the ratio of the 10^6-page step to the
 10^4-page step (the target: within 1.25x, and under 2 ms for the scheduler).
 """
@@ -98,7 +99,7 @@ def worker_steps(num_pages: int, steps: int) -> list[float]:
     from kvmesh.step import NewSequence, ScheduledChunk, StepPlan
     import tempfile
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # overhead, not parallel speed-up: one thread measures steadily on a busy machine
     folder = tempfile.mkdtemp()
     make_model(folder, vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                num_kv_heads=1, max_position_embeddings=4096)

@@ -23,6 +23,17 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type: a whole number >= 1 (an error naming the value otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="Hugging Face checkpoint folder (default: the generated default model)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the checkpoint's dtype")
@@ -108,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # (the rest: --SERVICE-arg).
 UP_SETTINGS = {"scheduler": ("max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "victim_policy", "batching"),
                "worker": ("kv_memory_mib", "dtype", "threads", "page_size"),
-               "router": ("api_keys",)}
+               "router": ("api_keys", "api_keys_file", "served_model_name")}
 
 
 def add_up_service_flags(p: argparse.ArgumentParser) -> None:
@@ -119,7 +130,7 @@ def add_up_service_flags(p: argparse.ArgumentParser) -> None:
     for service, names in UP_SETTINGS.items():
         fields = {f.name: f for f in dataclasses.fields(c.SERVICE_CONFIGS[service])}
         for name in names:
-            kind = eval(fields[name].type, {}, {}) if isinstance(fields[name].type, str) else fields[name].type
+            kind = c.field_type(c.SERVICE_CONFIGS[service], name)
             p.add_argument("--" + name.replace("_", "-"), type=kind, metavar=kind.__name__.upper(),
                            help=f"{service}: {fields[name].metadata.get('help', '')}")
     for service in SERVICES:
@@ -172,7 +183,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kvmesh up: error: {e}", file=sys.stderr)
         return 2
     return up(model, args.workers, args.redis_url, args.port, args.http_port, args.autoscale, up_service_args(args),
-              tls=args.tls, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_names=args.tls_name)
+              tls=args.tls, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_names=args.tls_name,
+              schedulers=args.schedulers)
 
 
 def client_channel(args: argparse.Namespace, aio: bool = False):
@@ -313,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", metavar="DIR|NAME=DIR",
                    help="checkpoint folder (default: the generated default model); NAME=DIR, repeated, starts one pool per model")
     p.add_argument("--workers", type=int, default=1, help="workers per pool")
+    p.add_argument("--schedulers", type=_at_least_one, default=1,
+                   help="schedulers per pool: each owns some of the pool's workers, and the others adopt them when it dies")
     p.add_argument("--autoscale", action="store_true",
                    help="start and stop workers to the count each pool's scheduler asks for (token queue, TTFT SLO, warm pool)")
     p.add_argument("--redis-url", help="use this Redis instead of starting redis-server")

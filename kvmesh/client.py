@@ -31,7 +31,8 @@ async def generate(stubs: list, request: gen.GenerateRequest, timeout: float | N
     When a stream that had answered breaks (RECONNECT_CODES), it reconnects to the next stub
     with resume_from set, with backoff, for at most `reconnect_s` after the break (and within
     `timeout`, the whole request's limit); then the last error is raised. `on_reconnect(error)`
-    is called before each reconnect."""
+    is called before each reconnect. A request with n > 1 is not reconnected (resume_from resumes
+    one stream)."""
     if not request.request_id:
         request = _with(request, request_id=uuid.uuid4().hex)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -48,8 +49,8 @@ async def generate(stubs: list, request: gen.GenerateRequest, timeout: float | N
                 yield response
             return
         except grpc.aio.AioRpcError as e:
-            if e.code() not in RECONNECT_CODES or not (answered or resumed):
-                raise
+            if e.code() not in RECONNECT_CODES or not (answered or resumed) or request.n > 1:
+                raise  # (resume_from resumes one stream: a request with n > 1 choices is not resumed)
             now = time.monotonic()
             if answered:
                 give_up, failures = now + reconnect_s, 0

@@ -1,14 +1,22 @@
 """Prometheus metrics, one class per service, named `kvmesh_*` and shaped like vLLM's where they mean
-the same (`vllm:time_to_first_token_seconds` is `kvmesh_time_to_first_token_seconds` here).
+the same (`vllm:time_to_first_token_seconds` is `kvmesh_time_to_first_token_seconds` here, with the
+same `model_name` label and bucket edges; vLLM's `:` is a name promtool refuses outside recording rules).
 
 Each service builds only its own class, so its /metrics shows its own series. Every class takes
 a registry (tests use a fresh one); services use prometheus-client's default registry, which also
 carries the process collector (`process_resident_memory_bytes`, CPU seconds, open files).
+Every counter has its series from the start, at 0 (`rate()` over a quiet service is 0, not empty):
+the router's per served model, the scheduler's per worker as the worker joins. `promtool check
+metrics` passes on every service (no `_created` series, no gauge named `_total`).
 """
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+disable_created_metrics()  # a `_created` gauge per series doubles the output and is no dashboard's
 
 # Bucket edges follow vLLM's so dashboards built for it read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -22,8 +30,19 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
+# Finish reasons and gRPC codes a router counts; their series exist at 0 from the start.
+FINISH_REASONS = ("length", "stop", "eos", "cancelled", "error")
+FAILURE_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED",
+                 "CANCELLED", "INTERNAL", "UNKNOWN")
+
+
+KEY_OUTCOMES = ("admitted", "requests_per_s", "tokens_per_min", "max_concurrent")
+
+
 class RouterMetrics:
-    """Per request, as the client sees it (gRPC and HTTP alike)."""
+    """Per request, as the client sees it (gRPC and HTTP alike). Prefill, decode and inference times
+    are vLLM's, from the finish's timings: first token minus queue time, last token minus first,
+    last token minus queue time."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY):
         m = ("model_name",)
@@ -49,24 +68,68 @@ class RouterMetrics:
         self.failure = Counter("kvmesh_request_failure", "Requests that ended with a gRPC error, by status code.",
                                (*m, "code"), registry=registry)
         self.in_flight = Gauge("kvmesh_requests_in_flight", "Streams open at the router.", m, registry=registry)
+        self.cancelled = Counter("kvmesh_request_cancelled", "Requests whose client left or cancelled before the finish.",
+                                 m, registry=registry)
+        self.prefill_time = Histogram("kvmesh_request_prefill_time_seconds",
+                                      "Time from leaving the queue to the first token.", m, buckets=REQUEST_BUCKETS,
+                                      registry=registry)
+        self.decode_time = Histogram("kvmesh_request_decode_time_seconds", "Time from the first token to the last.",
+                                     m, buckets=REQUEST_BUCKETS, registry=registry)
+        self.inference_time = Histogram("kvmesh_request_inference_time_seconds",
+                                        "Time from leaving the queue to the last token (prefill plus decode).",
+                                        m, buckets=REQUEST_BUCKETS, registry=registry)
+        self.max_tokens = Histogram("kvmesh_request_params_max_tokens", "max_tokens (max_new_tokens) of finished requests.",
+                                    m, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        # Per API key: labelled by the key's id, never the key (ids come from the keys file: bounded).
+        # Made by start_keys, so that a router without keys exports no family without samples.
+        self._registry = registry
+        self.key_requests: Counter | None = None
+        self.key_tokens: Counter | None = None
+
+    def start_keys(self, key_ids: list[str]) -> None:
+        """Creates the per-key series at 0 for these ids (at start, and after the keys file changed)."""
+        if not key_ids:
+            return
+        if self.key_requests is None:
+            self.key_requests = Counter("kvmesh_api_key_requests", "Requests per API key id, by outcome: admitted, "
+                                        "or refused by requests_per_s, tokens_per_min or max_concurrent.",
+                                        ("key_id", "outcome"), registry=self._registry)
+            self.key_tokens = Counter("kvmesh_api_key_tokens", "Prompt and output tokens charged to an API key id.",
+                                      ("key_id",), registry=self._registry)
+        for key_id in key_ids:
+            for outcome in KEY_OUTCOMES:
+                self.key_requests.labels(key_id, outcome)
+            self.key_tokens.labels(key_id)
+
+    def start(self, model: str) -> None:
+        """Creates `model`'s series at 0 (counters, histograms and gauges), so they are scraped before any request."""
+        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_len, self.output_len,
+                       self.prompt_tokens, self.generation_tokens, self.in_flight, self.cancelled, self.prefill_time,
+                       self.decode_time, self.inference_time, self.max_tokens):
+            metric.labels(model)
+        for reason in FINISH_REASONS:
+            self.success.labels(model, reason)
+        for code in FAILURE_CODES:
+            self.failure.labels(model, code)
 
 
 class SchedulerMetrics:
-    """Per worker batching loop."""
+    """Per worker batching loop; the series vLLM also has carry its `model_name` (the scheduler's pool)."""
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY):
-        w = ("worker",)
-        self.running = Gauge("kvmesh_num_requests_running", "Requests in the worker's batch.", w, registry=registry)
-        self.waiting = Gauge("kvmesh_num_requests_waiting", "Requests queued for the worker.", w, registry=registry)
+    def __init__(self, registry: CollectorRegistry = REGISTRY, model_name: str = "default"):
+        self.model_name = model_name
+        w, mw = ("worker",), ("model_name", "worker")
+        self.running = Gauge("kvmesh_num_requests_running", "Requests in the worker's batch.", mw, registry=registry)
+        self.waiting = Gauge("kvmesh_num_requests_waiting", "Requests queued for the worker.", mw, registry=registry)
         self.token_queue = Gauge("kvmesh_estimated_token_queue",
                                  "Prompt plus expected output tokens of waiting requests (the autoscaling signal).",
                                  w, registry=registry)
         self.preemptions = Counter("kvmesh_num_preemptions", "Requests preempted (pages taken back, recomputed later).",
-                                   w, registry=registry)
+                                   mw, registry=registry)
         self.prefix_queries = Counter("kvmesh_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      w, registry=registry)
+                                      mw, registry=registry)
         self.prefix_hits = Counter("kvmesh_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   w, registry=registry)
+                                   mw, registry=registry)
         self.orphaned_pages = Gauge("kvmesh_kv_pages_held_by_finished_requests",
                                     "KV pages held by sequences that are no longer running or waiting; must be 0.",
                                     w, registry=registry)
@@ -81,16 +144,41 @@ class SchedulerMetrics:
                                     registry=registry)
         self.step_tokens = Histogram("kvmesh_step_tokens", "Tokens in one step (decodes plus prefill chunks).",
                                      w, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        self.drained.labels(model_name)
 
+    def _series(self):
+        """(metric, labels it takes besides the worker)"""
+        with_model = (self.running, self.waiting, self.preemptions, self.prefix_queries, self.prefix_hits)
+        worker_only = (self.token_queue, self.orphaned_pages, self.step, self.batch_size, self.step_tokens)
+        return [(m, (self.model_name,)) for m in with_model] + [(m, ()) for m in worker_only]
+
+    def worker(self, worker: str) -> "WorkerSeries":
+        """A joining worker's series, created now (its counters at 0)."""
+        return WorkerSeries(*(metric.labels(*labels, worker) for metric, labels in self._series()))
 
     def forget(self, worker: str) -> None:
         """Drops a departed worker's series, so replaced workers do not pile up."""
-        for metric in (self.running, self.waiting, self.token_queue, self.preemptions, self.prefix_queries,
-                       self.prefix_hits, self.orphaned_pages, self.step, self.batch_size, self.step_tokens):
+        for metric, labels in self._series():
             try:
-                metric.remove(worker)
+                metric.remove(*labels, worker)
             except KeyError:
                 pass
+
+
+@dataclass
+class WorkerSeries:
+    """One worker's series in the scheduler's metrics (in SchedulerMetrics._series order)."""
+
+    running: Gauge
+    waiting: Gauge
+    preemptions: Counter
+    prefix_queries: Counter
+    prefix_hits: Counter
+    token_queue: Gauge
+    orphaned_pages: Gauge
+    step: Histogram
+    batch_size: Histogram
+    step_tokens: Histogram
 
 
 class KVCacheMetrics:
@@ -98,7 +186,8 @@ class KVCacheMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY):
         w = ("worker",)
-        self.total = Gauge("kvmesh_kv_pages_total", "KV pages in the worker's pool.", w, registry=registry)
+        # Not `_total`: that suffix is for counters (promtool).
+        self.total = Gauge("kvmesh_kv_pages_capacity", "KV pages in the worker's pool.", w, registry=registry)
         self.used = Gauge("kvmesh_kv_pages_used", "KV pages held by running sequences.", w, registry=registry)
         self.free = Gauge("kvmesh_kv_pages_free", "KV pages holding nothing.", w, registry=registry)
         self.cached = Gauge("kvmesh_kv_pages_cached", "KV pages held only by the prefix cache (evictable).",

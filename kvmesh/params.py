@@ -8,6 +8,7 @@ can fix the request from the error alone.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 
@@ -22,6 +23,13 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 2.0
 MAX_STOP_TOKEN_IDS = 64  # every generated token is checked against them
 MAX_REQUEST_ID_CHARS = 128
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit): a top-k per row per step
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias: each is applied to every draw of the sequence
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range, [-100, 100]: -100 bans a token, 100 all but forces it
+MAX_CHOICES = 16  # completions per request (`n`, `best_of`): each is a sequence in a worker's batch
+MAX_SEQUENCES = 64  # prompts times choices of one OpenAI completions request (a prompt list)
+MAX_SCHEMA_CHARS = 64 << 10  # a structured output's JSON Schema text; it travels with every new sequence
+STRUCTURED_KINDS = ("json_object", "json_schema")
 
 
 class InvalidRequest(ValueError):
@@ -30,6 +38,15 @@ class InvalidRequest(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The completion must be JSON: any object (`json_object`), or a value valid under `schema` (`json_schema`,
+    a JSON Schema as JSON text). The worker's sampler enforces it token by token (kvmesh.grammar)."""
+
+    kind: str
+    schema: str = ""
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logprobs: int = 0  # alternatives reported per generated token
+    prompt_logprobs: int | None = None  # None: no prompt logprobs; else alternatives per prompt token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -92,7 +113,10 @@ def validate_request(
     bad_stop = next((t for t in stopping.stop_token_ids if not 0 <= t < vocab_size), None)
     if bad_stop is not None:
         raise InvalidRequest("stop_token_ids", f"token id {bad_stop} is outside the vocabulary [0, {vocab_size})")
+    if sampling.structured_output is not None and stopping.ignore_eos:
+        raise InvalidRequest("ignore_eos", "cannot be set with structured_output (a finished grammar ends on EOS)")
     validate_sampling(sampling)
+    validate_vocabulary(sampling, vocab_size)
 
 
 def validate_request_id(request_id: str) -> None:
@@ -119,3 +143,40 @@ def validate_sampling(s: SamplingParams) -> None:
         raise InvalidRequest("frequency_penalty", f"must be in [-2, 2], got {s.frequency_penalty}")
     if s.seed is not None and not 0 <= s.seed < 2**63:
         raise InvalidRequest("seed", f"must be in [0, 2^63), got {s.seed}")
+    if not 0 <= s.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
+    if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {s.prompt_logprobs}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest("logit_bias", f"has {len(s.logit_bias)} entries, over the limit of {MAX_LOGIT_BIAS}")
+    for token_id, bias in s.logit_bias:
+        if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+            raise InvalidRequest("logit_bias", f"the bias of token {token_id} must be in "
+                                               f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {bias}")
+    if s.structured_output is not None:
+        validate_structured_output(s.structured_output)
+
+
+def validate_vocabulary(s: SamplingParams, vocab_size: int) -> None:
+    """Raises InvalidRequest for a logit_bias token outside the vocabulary [0, vocab_size)."""
+    bad = next((t for t, _ in s.logit_bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def validate_structured_output(so: StructuredOutput) -> None:
+    """Raises InvalidRequest for an unknown kind, or a schema over MAX_SCHEMA_CHARS or not a JSON
+    object. Whether the grammar library can compile the schema is kvmesh.grammar.check's question."""
+    if so.kind not in STRUCTURED_KINDS:
+        raise InvalidRequest("structured_output", f"must be one of {', '.join(STRUCTURED_KINDS)}, got {so.kind!r}")
+    if so.kind != "json_schema":
+        return
+    if len(so.schema) > MAX_SCHEMA_CHARS:
+        raise InvalidRequest("structured_output.json_schema",
+                             f"has {len(so.schema)} characters, over the limit of {MAX_SCHEMA_CHARS}")
+    try:
+        schema = json.loads(so.schema)
+    except (ValueError, RecursionError):
+        raise InvalidRequest("structured_output.json_schema", "is not valid JSON") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest("structured_output.json_schema", "must be a JSON object (a JSON Schema)")

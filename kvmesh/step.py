@@ -52,10 +52,26 @@ class StepPlan:
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt tokens 1..n-1: each one's logprob given the tokens before it, and k alternatives per
+    position, flattened (best first)."""
+
+    logprobs: list[float]
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class SampledToken:
+    """A sampled token with its raw logprob; with SamplingParams.logprobs = k, the k likeliest
+    tokens (best first); with prompt_logprobs, on the sequence's first token, the prompt's."""
+
     seq_id: str
     token_id: int
     logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+    prompt: PromptLogprobs | None = None
 
 
 @dataclass

@@ -68,6 +68,7 @@ class Tokenizer:
         self._text_backend = _Backend.from_str(backend.to_str())
         self._text_backend.encode_special_tokens = True
         self._chat_template = _compile_chat_template(chat_template) if chat_template is not None else None
+        self._byte_level = "ByteLevel" in json.dumps(json.loads(backend.to_str()).get("decoder"))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -107,6 +108,18 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids outside the vocabulary are dropped; broken UTF-8 becomes "\\ufffd"."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, alone: a token that holds part of a UTF-8 character gives
+        that part (byte-level BPE, byte-fallback `<0xNN>` pieces), not U+FFFD. b"" outside the vocabulary."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in _BYTE_DECODER for c in piece):
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        if (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()  # SentencePiece marks a space with U+2581
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """Render `messages` (dicts with "role" and "content") with the model's chat template.
@@ -148,6 +161,24 @@ class Tokenizer:
     def _special_token_id(self, key: str) -> int | None:
         token = self._special_tokens.get(key)
         return None if token is None else self._backend.token_to_id(token)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character each byte is written as -> the byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_DECODER = _byte_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class IncrementalDetokenizer:

@@ -30,3 +30,13 @@ def hf_checkpoint(tmp_path_factory):
 def model_dir(tmp_path_factory):
     """A tiny llama with a real tokenizer, for the tests that run the mesh."""
     return make_model(tmp_path_factory.mktemp("mesh-model"), "llama", **SIZES["tiny"])
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir):
+    """A one-worker mesh per test module (modules that need another shape define their own `mesh`)."""
+    from local_mesh import Mesh
+
+    m = Mesh(model_dir, workers=1)
+    yield m
+    m.close()

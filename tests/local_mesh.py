@@ -3,27 +3,32 @@
 import asyncio
 import json
 import os
+import socket
 import time
 
 import grpc
 
+from kvmesh.services.children import redis_child
 from kvmesh.services.launcher import free_port, launch, stop
+from kvmesh.services.tls import mesh_channel
 from kvmesh.services.registry import QUEUE_STATE_PATTERN
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 
 class Mesh:
     """What `kvmesh up` starts (with its own redis-server unless given `redis_url`), with 4 MiB of KV
-    per worker unless overridden; `tls` (a launcher.MeshTLS) as `kvmesh up --tls` has it."""
+    per worker unless overridden; `tls` (a launcher.MeshTLS) as `kvmesh up --tls` has it;
+    `schedulers` per pool as `kvmesh up --schedulers`."""
 
     def __init__(self, model_dir, workers=2, extra_worker=(), extra_scheduler=(), extra_router=(), env=None,
-                 redis_url=None, tls=None):
+                 redis_url=None, tls=None, schedulers=1):
         self.port = free_port()
         model = model_dir if isinstance(model_dir, list) else str(model_dir)  # a list: [(pool, folder)]
         self.children, self.redis, self.redis_url = launch(model, workers, redis_url, self.port,
                                                            extra_worker=["--kv-memory-mib", "4", *extra_worker],
                                                            extra_scheduler=list(extra_scheduler),
-                                                           extra_router=list(extra_router), env=env, tls=tls)
+                                                           extra_router=list(extra_router), env=env, tls=tls,
+                                                           schedulers=schedulers)
         self.addr = f"127.0.0.1:{self.port}"
         self.kvcache_addr = next(c.address for c in self.children if c.name == "kvcache")
 
@@ -73,8 +78,9 @@ async def streams_through(stub, requests, fault, on_message=None):
     return [await read_rest(call, head, on_message) for call, head in zip(calls, heads)]
 
 
-async def page_stats(addr):
-    async with grpc.aio.insecure_channel(addr) as ch:
+async def page_stats(addr, identity=None):
+    """The kvcache's page stats per worker (over mTLS with `identity`, a tls.MeshIdentity, when the mesh has one)."""
+    async with mesh_channel(addr, identity) as ch:
         return (await kvcache_pb2_grpc.KVCacheStub(ch).Stats(kvcache_pb2.StatsRequest())).workers
 
 
@@ -96,11 +102,24 @@ async def queue_state(redis_url, until, timeout=10):
         await r.aclose()
 
 
-async def wait_idle(addr, timeout=10):
+async def wait_idle(addr, timeout=10, identity=None):
     """Waits until no worker has pages in use; returns the last stats."""
     deadline = time.monotonic() + timeout
     while True:
-        workers = await page_stats(addr)
+        workers = await page_stats(addr, identity)
         if all(w.used_pages == 0 for w in workers) or time.monotonic() > deadline:
             return workers
         await asyncio.sleep(0.1)
+
+
+def start_redis(port: int, folder: str, *extra: str):
+    """A redis-server with `extra` settings, once its port accepts connections: its process."""
+    child = redis_child(port, folder, *extra)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return child.process
+        assert child.process.poll() is None, child.last_lines()
+        time.sleep(0.05)
+    raise TimeoutError(f"redis-server did not listen on {port}")

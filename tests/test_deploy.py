@@ -312,7 +312,7 @@ def test_the_image_pins_the_torch_the_makefile_installs_and_selects_cuda_by_buil
     makefile_pin = re.search(r"^TORCH_CPU \?= torch==(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert re.search(rf"^ARG TORCH_VERSION={re.escape(makefile_pin)}$", text, re.M)
     assert re.search(r"^ARG BASE=python:3\.11-slim$", text, re.M) and re.search(r"^FROM \$\{BASE\}$", text, re.M)
-    assert re.search(r"^ARG EXTRAS=$", text, re.M) and "${EXTRAS:+[${EXTRAS}]}" in text
+    assert re.search(r"^ARG EXTRAS=structured$", text, re.M) and "${EXTRAS:+[${EXTRAS}]}" in text  # structured output by default
 
 
 def test_the_build_context_admits_exactly_what_the_image_copies():

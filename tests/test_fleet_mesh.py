@@ -207,10 +207,16 @@ def test_a_healthy_canary_is_promoted_to_100_percent(one_worker_mesh, model_dir)
         finishes = drive_until(mesh, lambda s: s["status"] != "running", batch=2)
         state = rollout_state(mesh)
         assert state["status"] == "promoted", state["history"]
-        assert [d["action"] for d in state["history"]] == ["start", "promote"]
+        actions = [d["action"] for d in state["history"]]
+        # A busy machine may finish an interval with too few requests: the controller then waits
+        # another interval ("wait"), which is a healthy canary's path too. Never a rollback.
+        assert actions[0] == "start" and actions[-1] == "promote" and set(actions) <= {"start", "wait", "promote"}, actions
         assert all(f.reason == gen.LENGTH for f in finishes)
-        time.sleep(1.5)
-        after = asyncio.run(run_all(mesh.addr, [greedy(f"after promotion {i}", 3) for i in range(8)]))
+        deadline = time.monotonic() + 30  # the routers read the promotion from Redis
+        while True:
+            after = asyncio.run(run_all(mesh.addr, [greedy(f"after promotion {i}", 3) for i in range(8)]))
+            if all(r[3].model_version == "v2" for r in after) or time.monotonic() > deadline:
+                break
         assert all(r[3].model_version == "v2" for r in after)
     finally:
         canary.close()

@@ -5,6 +5,11 @@ router's Generate, the kvcache's Apply) while a normal greedy request streams on
 so that anything the attack got into would share its batch. Each attack is refused with
 INVALID_ARGUMENT naming the field and the limit (or answered without harm), and the normal
 request finishes with the tokens transformers gives.
+
+Every test runs on a plaintext mesh and on one with mTLS. With mTLS an attacker without the mesh's
+certificate is refused on every internal port (UNAVAILABLE: it never gets to send a message), so
+there the attacks come from a peer holding a mesh certificate: a compromised or buggy service,
+which is what each service's own validation is for.
 """
 
 import asyncio
@@ -18,6 +23,8 @@ import psutil
 import pytest
 
 from kvmesh.params import MAX_REQUEST_ID_CHARS
+from kvmesh.services.launcher import MeshTLS
+from kvmesh.services.tls import MeshCertificates, mesh_channel
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -28,11 +35,20 @@ NORMAL_TOKENS = 200  # long enough to still be streaming while the attacks are a
 MIN_COMPARED = 16
 
 
-@pytest.fixture(scope="module")
-def mesh(model_dir):
-    m = Mesh(model_dir, workers=1)
+@pytest.fixture(scope="module", params=["plaintext", "mtls"])
+def mesh(model_dir, request, tmp_path_factory):
+    """A one-worker mesh; `peer` is the identity internal calls are made with (a mesh certificate
+    under mTLS: the compromised peer; None on the plaintext mesh, where anyone is a peer)."""
+    certs = MeshCertificates.create(tmp_path_factory.mktemp("hostile-tls")) if request.param == "mtls" else None
+    m = Mesh(model_dir, workers=1, tls=MeshTLS(certs))
+    m.peer = certs.identity("client") if certs else None
     yield m
     m.close()
+
+
+def peer_channel(mesh, address):
+    """A channel to an internal service, as a peer of the mesh."""
+    return mesh_channel(address, mesh.peer)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +119,7 @@ SUBMIT_ATTACKS = [
 def test_submit_straight_to_the_scheduler_is_validated_and_the_batch_carries_on(mesh, normal_prompt, reference):
     def attack(request):
         async def send():
-            async with grpc.aio.insecure_channel(mesh.child("scheduler").address) as ch:
+            async with peer_channel(mesh, mesh.child("scheduler").address) as ch:
                 return await code_of(scheduler_pb2_grpc.SchedulerStub(ch).Submit(request, timeout=30))
         return send
 
@@ -118,13 +134,13 @@ def test_submit_straight_to_the_scheduler_is_validated_and_the_batch_carries_on(
 
 def test_an_undecodable_submit_is_refused_and_the_scheduler_serves_on(mesh, normal_prompt, reference):
     async def garbage():
-        async with grpc.aio.insecure_channel(mesh.child("scheduler").address) as ch:
+        async with peer_channel(mesh, mesh.child("scheduler").address) as ch:
             raw = ch.unary_stream("/kvmesh.v1.Scheduler/Submit", request_serializer=None, response_deserializer=None)
             return await code_of(raw(b"\xff\xff\xff\xff\x0f", timeout=30))
 
-    [(code, _)], still_streaming, tokens, logprobs, finish = asyncio.run(
+    [(code, details)], still_streaming, tokens, logprobs, finish = asyncio.run(
         beside_a_normal_request(mesh, normal_prompt, [garbage]))
-    assert code not in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details, details
     assert mesh.child("scheduler").process.poll() is None
     assert_finished_exact(tokens, logprobs, finish, reference)
 
@@ -173,13 +189,13 @@ def test_kvcache_apply_is_bounded_and_leaves_the_real_workers_accounting_alone(m
     real = {}  # the real worker's page stats, read once the normal request has made its pool known
 
     async def read_real():
-        [stats] = await page_stats(mesh.kvcache_addr)
+        [stats] = await page_stats(mesh.kvcache_addr, mesh.peer)
         real.update(worker_id=stats.worker_id, total_pages=stats.total_pages)
 
     def apply(**fields):
         async def send():
             request = kvcache_pb2.ApplyRequest(**{k: v(real) if callable(v) else v for k, v in fields.items()})
-            async with grpc.aio.insecure_channel(mesh.kvcache_addr) as ch:
+            async with peer_channel(mesh, mesh.kvcache_addr) as ch:
                 try:
                     await kvcache_pb2_grpc.KVCacheStub(ch).Apply(request, timeout=30)
                     return grpc.StatusCode.OK, ""
@@ -208,5 +224,38 @@ def test_kvcache_apply_is_bounded_and_leaves_the_real_workers_accounting_alone(m
     assert kvcache.memory_info().rss - rss_before < 30 << 20  # the attack in the issue grew it by 357 MB
     assert still_streaming
     assert_finished_exact(tokens, logprobs, finish, reference)
-    [after] = asyncio.run(wait_idle(mesh.kvcache_addr))
+    [after] = asyncio.run(wait_idle(mesh.kvcache_addr, identity=mesh.peer))
     assert (after.worker_id, after.total_pages, after.used_pages) == (real["worker_id"], real["total_pages"], 0)
+
+
+# -- with mTLS: an attacker without the mesh's certificate does not get to send anything --------
+
+
+def test_with_mtls_the_attacks_from_a_client_without_a_mesh_certificate_are_refused(mesh, normal_prompt, reference):
+    if mesh.peer is None:
+        pytest.skip("a plaintext mesh has no peers to tell apart (the attacks above are its test)")
+
+    def without_certificate(address, call):
+        async def send():
+            async with grpc.aio.insecure_channel(address) as ch:
+                try:
+                    result = call(ch)
+                    if hasattr(result, "__aiter__"):
+                        return await code_of(result)
+                    await result
+                    return grpc.StatusCode.OK, ""
+                except grpc.aio.AioRpcError as e:
+                    return e.code(), e.details()
+        return send
+
+    scheduler, kvcache = mesh.child("scheduler").address, mesh.kvcache_addr
+    attacks = [without_certificate(scheduler, lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Submit(r, timeout=10))
+               for r, _, _ in SUBMIT_ATTACKS[:2]]
+    attacks.append(without_certificate(kvcache, lambda ch: kvcache_pb2_grpc.KVCacheStub(ch).Apply(
+        kvcache_pb2.ApplyRequest(worker_id="attacker", epoch=1, num_pages=5_000_000, page_size=16), timeout=10)))
+    attacks.append(without_certificate(kvcache, lambda ch: kvcache_pb2_grpc.KVCacheStub(ch).Apply(
+        kvcache_pb2.ApplyRequest(worker_id="worker-0", forget=True), timeout=10)))
+    seen, still_streaming, tokens, logprobs, finish = asyncio.run(beside_a_normal_request(mesh, normal_prompt, attacks))
+    assert [code for code, _ in seen] == [grpc.StatusCode.UNAVAILABLE] * len(attacks), seen
+    assert still_streaming
+    assert_finished_exact(tokens, logprobs, finish, reference)

@@ -162,11 +162,11 @@ def test_after_traffic_every_service_exports_the_metrics_that_moved(mesh):
     assert total(scheduler, "kvmesh_kv_pages_held_by_finished_requests") == 0
 
     kvcache = scrape(mesh.child("kvcache").http)
-    workers = {labels["worker"] for labels, _ in kvcache["kvmesh_kv_pages_total"]}
+    workers = {labels["worker"] for labels, _ in kvcache["kvmesh_kv_pages_capacity"]}
     assert workers == {"worker-0", "worker-1"}
     for w in workers:
         parts = sum(total(kvcache, f"kvmesh_kv_pages_{k}", worker=w) for k in ("used", "free", "cached"))
-        assert parts == total(kvcache, "kvmesh_kv_pages_total", worker=w) > 0
+        assert parts == total(kvcache, "kvmesh_kv_pages_capacity", worker=w) > 0
         assert total(kvcache, "kvmesh_kv_pages_used", worker=w) == 0
     assert total(kvcache, "kvmesh_kv_pages_cached") > 0
 

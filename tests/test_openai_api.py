@@ -18,18 +18,11 @@ from kvmesh.services.router.server import RouterError
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect, page_stats, wait_idle
+from local_mesh import collect, page_stats, wait_idle
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a river."}]
-
-
-@pytest.fixture(scope="module")
-def mesh(model_dir):
-    m = Mesh(model_dir, workers=1)
-    yield m
-    m.close()
 
 
 @pytest.fixture(scope="module")
@@ -172,13 +165,20 @@ def test_logprobs_are_those_of_the_sampled_tokens(client, mesh, model_dir):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(prompt="hello", max_tokens=5000), "max_tokens"),
     (dict(prompt="hello", max_tokens=0), "max_tokens"),
-    (dict(prompt="hello", n=2), "n"),
+    (dict(prompt="hello", n=17), "n"),
+    (dict(prompt="hello", n=3, best_of=2), "best_of"),
+    (dict(prompt="hello", n=2, best_of=3, stream=True), "best_of"),
+    (dict(prompt="hello", suffix="and then"), "suffix"),
+    (dict(prompt="hello", logit_bias={"7": 101}), "logit_bias"),
+    (dict(prompt="hello", logit_bias={"seven": 1}), "logit_bias"),
+    (dict(prompt="hello", logit_bias={"100000": 1}), "logit_bias"),
     (dict(prompt="hello", temperature=-1), "temperature"),
     (dict(prompt="hello", top_p=0), "top_p"),
     (dict(prompt="hello", presence_penalty=3), "presence_penalty"),
-    (dict(prompt="hello", logprobs=3), "logprobs"),
-    (dict(prompt="hello", echo=True), "echo"),
-    (dict(prompt=["one", "two"]), "prompt"),
+    (dict(prompt="hello", logprobs=21), "logprobs"),
+    (dict(prompt="hello", echo="yes"), "echo"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=["one", 2]), "prompt"),
     (dict(prompt=""), "prompt"),
     (dict(prompt=[1, 2, 100000]), "prompt"),
 ])
@@ -193,8 +193,9 @@ def test_bad_completion_parameters_are_400_naming_the_field(client, kwargs, para
 @pytest.mark.parametrize("kwargs, param", [
     (dict(max_completion_tokens=5000), "max_completion_tokens"),
     (dict(max_tokens=5000), "max_tokens"),
-    (dict(n=3), "n"),
-    (dict(top_logprobs=2, logprobs=True), "top_logprobs"),
+    (dict(n=0), "n"),
+    (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
+    (dict(top_logprobs=2), "top_logprobs"),
 ])
 def test_bad_chat_parameters_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
@@ -215,7 +216,7 @@ def test_bad_chat_parameters_are_400_naming_the_field(client, kwargs, param):
     ("/v1/chat/completions", b'{"model": "default"}', "messages"),
     ("/v1/chat/completions", b'{"model": "default", "messages": "hi"}', "messages"),
     ("/v1/chat/completions", b'{"model": "default", "messages": []}', "messages"),
-    ("/v1/chat/completions", b'{"model": "default", "messages": [{"content": "hi"}]}', "messages[0]"),
+    ("/v1/chat/completions", b'{"model": "default", "messages": [{"content": "hi"}]}', "messages[0].role"),
     ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": 7}]}',
      "messages[0].content"),
     ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": "hi"}], '
@@ -246,9 +247,10 @@ def test_unknown_model_is_404(client):
         client.models.retrieve("gpt-4")
 
 
-def test_models_lists_the_served_model(client):
-    [model] = client.models.list().data
+def test_models_lists_the_served_model(client, model_dir):
+    model, by_path = client.models.list().data  # the pool, and the folder it was started from (as vLLM names it)
     assert (model.id, model.object, model.owned_by) == ("default", "model", "kvmesh")
+    assert (by_path.id, by_path.root) == (str(model_dir), "default")
     assert model.max_model_len == 2048
     assert client.models.retrieve("default").id == "default"
 
@@ -302,7 +304,7 @@ def test_api_keys_are_checked_when_configured(keyed_router):
     status, _, _ = http_call(keyed_router, "/v1/completions", b'{"model": "default", "prompt": "hello"}')
     assert status == 401  # no key at all
     assert keyed("k2").completions.create(prompt="hello", **greedy(3)).usage.completion_tokens == 3
-    assert [m.id for m in keyed("k1").models.list().data] == ["default"]
+    assert [m.id for m in keyed("k1").models.list().data][0] == "default"
     assert http_call(keyed_router, "/health")[0] == 200  # probes need no key
 
 

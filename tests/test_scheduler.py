@@ -435,13 +435,13 @@ def test_padding_rows_give_their_pages_to_requests_and_stop_at_the_models_contex
     assert_all_finished_in_full(capped)
 
 
-def test_requests_waiting_too_long_are_ended_and_free_nothing_they_never_held():
+def test_requests_waiting_too_long_are_refused_for_load_and_free_nothing_they_never_held():
     run = Run(num_pages=64, page_size=2, max_num_seqs=1)
     run.add(make_request("running", [1, 2], max_new=5, arrival=0.0), make_request("stuck", [3, 4], arrival=1.0))
     run.step()
     events = run.scheduler.expire_waiting(max_wait_s=30.0, now=40.0)
-    assert [(e.request.request_id, e.finish_reason) for e in events] == [("stuck", FinishReason.ERROR)]
-    assert "39.0 s in the queue" in events[0].message and "30 s" in events[0].message
+    assert [(e.request.request_id, e.finish_reason, e.refused) for e in events] == [("stuck", FinishReason.CANCELLED, True)]
+    assert "39.0 s in the queue" in events[0].message and "30 s (max_queue_wait_s)" in events[0].message
     assert run.scheduler.expire_waiting(max_wait_s=30.0, now=40.0) == []  # the running one is not touched
     run.to_completion()
     assert run.requests["running"].finish_reason is FinishReason.LENGTH and run.pool.stats().used == 0

@@ -76,9 +76,10 @@ def test_running_streams_keep_producing_while_a_long_prompt_is_prefilled_in_chun
 
 @pytest.fixture(scope="module")
 def one_slot_mesh(model_dir):
-    # One running request at a time, no aging, at most 3 waiting, 2.5 s at most in the queue.
+    # One running request at a time, no aging, at most 3 waiting, 6 s at most in the queue (and new
+    # requests refused as overloaded once one has waited a third of that: 2 s, which the tests stay under).
     m = Mesh(model_dir, workers=1, extra_scheduler=["--max-num-seqs", "1", "--aging-s", "0",
-                                                    "--max-queue-len", "3", "--max-queue-wait-s", "2.5"])
+                                                    "--max-queue-len", "3", "--max-queue-wait-s", "6"])
     yield m
     m.close()
 
@@ -127,18 +128,21 @@ def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint(one_slot_mesh
     assert all(f.reason == gen.LENGTH for *_, f in results)  # the queued ones were not harmed
 
 
-def test_a_request_waiting_past_the_queue_limit_ends_with_an_error_and_holds_nothing(one_slot_mesh):
+def test_a_request_waiting_past_the_queue_limit_is_refused_for_load_with_a_hint_and_holds_nothing(one_slot_mesh):
     async def run():
         async with grpc.aio.insecure_channel(one_slot_mesh.addr) as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
             blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=10), 1900)))
             await queue_state(one_slot_mesh.redis_url, lambda n: n == 1)
-            stuck = await collect(stub, ids_request(random_ids(8, seed=11), 3))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, ids_request(random_ids(8, seed=11), 3))
             blocker.cancel()
-            return stuck, await wait_idle(one_slot_mesh.kvcache_addr)
+            return err.value, await wait_idle(one_slot_mesh.kvcache_addr)
 
-    (tokens, _, _, finish), idle = asyncio.run(run())
-    assert tokens == [] and finish.reason == gen.ERROR and "in the queue" in finish.message
+    error, idle = asyncio.run(run())
+    # Not an ERROR finish: nothing was streamed, and a client retries RESOURCE_EXHAUSTED after the hint.
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in the queue without starting" in error.details()
+    assert int(dict(error.trailing_metadata())["retry-after"]) >= 1
     assert all(w.used_pages == 0 for w in idle)
 
 

@@ -21,7 +21,6 @@ from cryptography.x509.verification import PolicyBuilder, Store, VerificationErr
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.services.grpc_server import ServiceServer
-from kvmesh.services.children import redis_child
 from kvmesh.services.launcher import MeshTLS, free_port
 from kvmesh.services.redis_client import check_redis_url, connect, redacted
 from kvmesh.services.registry import service_key
@@ -30,7 +29,7 @@ from kvmesh.services.tls import (MESH_NAMES, MeshCertificates, MeshIdentity, cer
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from local_mesh import Mesh, collect
+from local_mesh import Mesh, collect, start_redis
 from reference import assert_matches_reference, hf_greedy
 
 ADMIN_PASSWORD = "s3cret-admin"
@@ -153,19 +152,6 @@ def test_redis_urls_are_checked_and_passwords_never_shown():
     assert redacted("redis://redis:6379/0") == "redis://redis:6379/0"
 
 
-def start_redis(port: int, folder: str, *extra: str):
-    """A redis-server with `extra` settings, once its port accepts connections: its process."""
-    child = redis_child(port, folder, *extra)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return child.process
-        assert child.process.poll() is None, child.last_lines()
-        time.sleep(0.05)
-    raise TimeoutError(f"redis-server did not listen on {port}")
-
-
 @pytest.fixture(scope="module")
 def auth_redis(tmp_path_factory):
     """A redis-server with `requirepass` and an ACL user limited to kvmesh's keys: (port, mesh URL)."""
@@ -254,6 +240,25 @@ def _internal_calls():
 
 async def _read_all(call):
     return [m async for m in call]
+
+
+def test_logprobs_and_choices_cross_the_mutually_authenticated_mesh(tls_mesh, model_dir):
+    ids = Tokenizer.from_dir(model_dir).encode("alpha beta gamma delta")
+    request = gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=ids), n=2,
+                                  sampling=gen.SamplingParams(seed=1, logprobs=3, prompt_logprobs=2),
+                                  stopping=gen.StoppingParams(max_new_tokens=4, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(tls_mesh.addr) as ch:
+            return [r async for r in generation_pb2_grpc.GenerationStub(ch).Generate(request, timeout=60)]
+
+    responses = asyncio.run(run())
+    tokens = {i: [t for r in responses if r.index == i for t in r.tokens] for i in (0, 1)}
+    assert [len(tokens[0]), len(tokens[1])] == [4, 4]
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob for ts in tokens.values() for t in ts)
+    [prompt] = [list(r.prompt_tokens) for r in responses if r.prompt_tokens]
+    assert [t.id for t in prompt] == ids and all(len(t.top_logprobs) == 2 for t in prompt[1:])
+    assert sum(r.HasField("finish") for r in responses) == 2
 
 
 def test_plaintext_and_wrong_ca_clients_are_refused_on_every_internal_port(tls_mesh, tmp_path):

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import re
+import typing
 from dataclasses import dataclass
 
 # Variables read outside service configs (the model cache folder).
@@ -29,10 +30,15 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
 
 
+def field_type(cls: type, name: str) -> type:
+    """The type of a config field (annotations are strings under `from __future__ import annotations`)."""
+    return typing.get_type_hints(cls)[name]
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds one flag per field of the config dataclass `cls`."""
     for f in dataclasses.fields(cls):
-        kind = f.type if isinstance(f.type, type) else eval(f.type, {}, {})  # fields use plain builtins
+        kind = field_type(cls, f.name)
         parse = _parse_bool if kind is bool else kind
         default = f.default
         env = os.environ.get(env_name(f.name))
@@ -157,6 +163,7 @@ class SchedulerServiceConfig:
     health_check_failures: int = dataclasses.field(default=3, metadata=_help("consecutive failed checks that drain and replace a worker"))
     memory_limit_fraction: float = dataclasses.field(default=0.95, metadata=_help("memory check: fail above this fraction of the worker's memory (device memory on CUDA)"))
     admission_ramp_s: float = dataclasses.field(default=10.0, metadata=_help("a worker that joins later takes up to max_num_seqs over this long (0: at once)"))
+    worker_lease_s: float = dataclasses.field(default=2.0, metadata=_help("TTL of this scheduler's lease on each worker it owns (renewed every third); a dead scheduler's workers are adopted by the pool's other schedulers about this long after its death"))
     autoscale_tokens_per_worker: int = dataclasses.field(default=4000, metadata=_help("autoscaling: estimated queued tokens one worker absorbs"))
     autoscale_ttft_slo_s: float = dataclasses.field(default=2.0, metadata=_help("autoscaling: add a worker while TTFT p95 is above this"))
     autoscale_rate_per_worker: float = dataclasses.field(default=1.0, metadata=_help("autoscaling: requests/s one worker sustains"))
@@ -171,7 +178,7 @@ class SchedulerServiceConfig:
     aging_s: float = dataclasses.field(default=10.0, metadata=_help("a waiting request gains one priority point per this many seconds (0: off)"))
     batching: str = dataclasses.field(default="continuous", metadata=_help("continuous; static (the baseline: a batch runs until its longest request ends, finished rows still decoding as in a padded batch); static-unpadded (finished rows leave the batch)"))
     max_queue_len: int = dataclasses.field(default=1024, metadata=_help("waiting requests at most; more get RESOURCE_EXHAUSTED"))
-    max_queue_wait_s: float = dataclasses.field(default=300.0, metadata=_help("a request not started after this long ends with an error (0: no limit)"))
+    max_queue_wait_s: float = dataclasses.field(default=300.0, metadata=_help("a request that could not start within this long is refused at once (RESOURCE_EXHAUSTED with a retry hint, from the queued tokens and measured throughput), and one that waits this long all the same is refused then (0: no limit)"))
     prefix_caching: bool = dataclasses.field(default=True, metadata=_help("share prompt prefixes"))
     worker_choice: str = dataclasses.field(default="kv", metadata=_help("kv (prefix overlap vs load) or round-robin"))
     prefill_weight: float = dataclasses.field(default=1.0, metadata=_help("kv choice: cost per prompt page to prefill"))
@@ -198,6 +205,8 @@ class SchedulerServiceConfig:
             raise ValueError(f"admission_ramp_s must be >= 0, got {self.admission_ramp_s}")
         if self.detach_grace_s < 0:
             raise ValueError(f"detach_grace_s must be >= 0, got {self.detach_grace_s}")
+        if not 0.3 <= self.worker_lease_s <= 60:
+            raise ValueError(f"worker_lease_s must be in [0.3, 60], got {self.worker_lease_s}")
         self.autoscale_policy()
 
     def autoscale_policy(self):
@@ -240,9 +249,11 @@ class RouterConfig:
     port: int = dataclasses.field(default=50051, metadata=_help("gRPC port (0: pick a free one)"))
     model: str = dataclasses.field(default="", metadata=_help("the pools' checkpoint folders (their tokenizers): DIR, or NAME=DIR[,NAME=DIR...] for several pools (default: the default model)"))
     model_name: str = dataclasses.field(default="default", metadata=_help("the pool name clients use in GenerateRequest.model when --model is a plain DIR"))
+    served_model_name: str = dataclasses.field(default="", metadata=_help("more names the one pool answers to, comma-separated (as vLLM's --served-model-name); a pool started from a folder also answers to the folder's path as given"))
     no_worker_wait_s: float = dataclasses.field(default=5.0, metadata=_help("a request for a pool with no ready worker waits this long, then UNAVAILABLE"))
     http_port: int = dataclasses.field(default=8000, metadata=_help("HTTP port: OpenAI-compatible API, /health, /ready, /metrics (0: pick a free one; -1: off)"))
     api_keys: str = dataclasses.field(default="", repr=False, metadata=_help("comma-separated API keys; when set, callers must send `authorization: Bearer KEY` (HTTP header or gRPC metadata)", secret=True))
+    api_keys_file: str = dataclasses.field(default="", metadata=_help("API keys with per-key limits: a JSON (or .toml) file mapping each key to {id, requests_per_s, tokens_per_min, max_concurrent}; read again when it changes or on SIGHUP (docs/security.md)"))
     tls_cert: str = dataclasses.field(default="", metadata=_help("TLS on the public ports (gRPC and HTTP): the server certificate chain (PEM), with --tls-key (default: plaintext; the mesh's own mTLS is --mesh-*)"))
     tls_key: str = dataclasses.field(default="", metadata=_help("TLS on the public ports: the private key of --tls-cert (PEM)"))
     max_request_bytes: int = dataclasses.field(default=8 << 20, metadata=_help("largest request body (HTTP, then 413) or message (gRPC, then RESOURCE_EXHAUSTED)"))
@@ -250,12 +261,15 @@ class RouterConfig:
     resume_timeout_s: float = dataclasses.field(default=30.0, metadata=_help("a request whose scheduler or worker died is resubmitted (with the tokens already streamed) to a live scheduler, retried with backoff for this long, then UNAVAILABLE"))
 
     def __post_init__(self):
-        from kvmesh.services.router.pools import parse_models
+        from kvmesh.services.router.pools import parse_models, served_names
         from kvmesh.services.tls import check_files
 
         check_files({"tls_cert": self.tls_cert, "tls_key": self.tls_key})
+        self.key_book()  # a bad keys file is reported at start (and under --check)
 
-        for _, folder in parse_models(self.model, self.model_name):
+        pools = parse_models(self.model, self.model_name)
+        served_names(pools, self.served_model_name)
+        for _, folder in pools:
             if folder:
                 check_checkpoint_folder("model", folder)
         if self.no_worker_wait_s < 0:
@@ -266,8 +280,11 @@ class RouterConfig:
             raise ValueError(f"max_request_bytes must be >= 1024 and max_prompt_chars >= 1, "
                              f"got {self.max_request_bytes} and {self.max_prompt_chars}")
 
-    def api_key_set(self) -> frozenset[str]:
-        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+    def key_book(self):
+        """The API keys of --api-keys and --api-keys-file; ValueError naming the file when it is bad."""
+        from kvmesh.services.router.limits import KeyBook
+
+        return KeyBook(self.api_keys, self.api_keys_file)
 
 
 SERVICE_CONFIGS = {"router": RouterConfig, "scheduler": SchedulerServiceConfig, "kvcache": KVCacheServiceConfig,

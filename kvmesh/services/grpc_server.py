@@ -1,5 +1,6 @@
-"""What every service's gRPC server has: grpc.health.v1 (NOT_SERVING until ready), reflection,
-and INVALID_ARGUMENT (not UNKNOWN) for a request whose bytes are not the method's message."""
+"""What every service's gRPC server has: grpc.health.v1 (NOT_SERVING until ready), reflection
+(grpc.reflection.v1 and v1alpha), and INVALID_ARGUMENT (not UNKNOWN) for a request whose bytes
+are not the method's message."""
 
 from __future__ import annotations
 
@@ -13,14 +14,52 @@ from contextlib import aclosing
 from typing import Callable
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.telemetry import shutdown_tracing
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _register_reflection_v1() -> None:
+    """Puts grpc/reflection/v1/reflection.proto in the default descriptor pool, so reflection can
+    describe itself. grpcio-reflection ships only v1alpha; v1 is the same file in another package
+    (same messages, same field numbers), so it is made from v1alpha's descriptor."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(REFLECTION_V1)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    proto.name, proto.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
+    old, new = ".grpc.reflection.v1alpha.", ".grpc.reflection.v1."
+    for message in proto.message_type:
+        for f in message.field:
+            if f.type_name:  # set only on message fields
+                f.type_name = f.type_name.replace(old, new)
+    for method in proto.service[0].method:
+        method.input_type, method.output_type = method.input_type.replace(old, new), method.output_type.replace(old, new)
+    pool.Add(proto)
+
+
+def enable_reflection(service_names: list[str], server: grpc.aio.Server) -> None:
+    """Server reflection under grpc.reflection.v1 (what grpcurl and current clients ask first) and
+    v1alpha: one servicer behind both, since the two protocols are the same on the wire."""
+    _register_reflection_v1()
+    servicer = reflection.aio.ReflectionServicer([*service_names, reflection.SERVICE_NAME, REFLECTION_V1])
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)  # v1alpha
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
 
 
 class ServiceServer:
@@ -38,7 +77,7 @@ class ServiceServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
-        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        enable_reflection([*service_names, health.SERVICE_NAME], self.server)
         address = f"{host}:{port}"
         try:
             self.port = (self.server.add_secure_port(address, credentials) if credentials

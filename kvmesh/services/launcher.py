@@ -107,13 +107,15 @@ Pools = list[tuple[str, str | None]]  # (pool name, checkpoint folder or None fo
 def launch(model: "str | None | Pools", workers: int, redis_url: str | None, port: int, extra_worker: list[str] = (),
            extra_scheduler: list[str] = (), log_dir: str | None = None, http_port: int | None = None,
            extra_router: list[str] = (), env: dict[str, str] | None = None,
-           extra_kvcache: list[str] = (), tls: "MeshTLS | None" = None) -> tuple[list[Child], Child | None, str]:
+           extra_kvcache: list[str] = (), tls: "MeshTLS | None" = None,
+           schedulers: int = 1) -> tuple[list[Child], Child | None, str]:
     """Starts the mesh and waits until it is ready; returns the children, our redis-server (None
     when `redis_url` names one) and the Redis URL. A service that fails at start raises
     ServiceFailed naming it, after everything started is stopped.
 
     `model` is one checkpoint folder (None: the default model) served as pool `default`, or a
-    list of (pool name, folder): one scheduler and `workers` workers per pool, one router for all.
+    list of (pool name, folder): `schedulers` schedulers (they split the pool's workers by lease and
+    adopt a dead one's) and `workers` workers per pool, one router for all.
     Every service gets a free /metrics port; the router's HTTP port is `http_port` (None: a free one).
     `env` adds variables to the services' environment (OTEL_* settings, for one); each service
     gets only the KVMESH_* variables it reads. `tls` gives every service its mesh certificate
@@ -122,6 +124,8 @@ def launch(model: "str | None | Pools", workers: int, redis_url: str | None, por
     extra_worker, extra_scheduler = [*extra_worker, *tls.flags("worker")], [*extra_scheduler, *tls.flags("scheduler")]
     extra_router, extra_kvcache = [*extra_router, *tls.flags("router")], [*extra_kvcache, *tls.flags("kvcache")]
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvmesh-up-")
+    if schedulers < 1:
+        raise ValueError(f"schedulers must be >= 1, got {schedulers}")
     pools: Pools = model if isinstance(model, list) else [("default", model)]
     single = len(pools) == 1 and pools[0][0] == "default"
     if not single and any(f is None for _, f in pools):
@@ -139,8 +143,9 @@ def launch(model: "str | None | Pools", workers: int, redis_url: str | None, por
             check_redis(redis_url)
         children.append(service_child("kvcache", "kvcache", "", redis_url, free_port(), list(extra_kvcache), log_dir, env))
         for name, _ in pools:
-            children.append(service_child("scheduler" if single else f"scheduler-{name}", "scheduler", name, redis_url,
-                                          free_port(), ["--pool", name, *extra_scheduler], log_dir, env))
+            for i in range(schedulers):
+                children.append(service_child(scheduler_name(name, i, schedulers, single), "scheduler", name, redis_url,
+                                              free_port(), ["--pool", name, *extra_scheduler], log_dir, env))
         for name, folder in pools:
             for i in range(workers):
                 children.append(worker_child(name, i, folder, redis_url, log_dir, env, list(extra_worker), single))
@@ -156,6 +161,12 @@ def launch(model: "str | None | Pools", workers: int, redis_url: str | None, por
         stop(children, redis)
         raise
     return children, redis, redis_url
+
+
+def scheduler_name(pool: str, index: int, count: int, single: bool) -> str:
+    """scheduler, or scheduler-N when a pool has several; with several pools, scheduler-POOL[-N]."""
+    base = "scheduler" if single else f"scheduler-{pool}"
+    return base if count == 1 else f"{base}-{index}"
 
 
 @dataclass(frozen=True)
@@ -221,7 +232,7 @@ def _interrupt(*_) -> None:
 
 def up(model: "str | None | Pools", workers: int, redis_url: str | None, port: int, http_port: int = 8000,
        autoscale: bool = False, service_args: dict[str, list[str]] | None = None, tls: bool = False,
-       tls_cert: str = "", tls_key: str = "", tls_names: list[str] = ()) -> int:
+       tls_cert: str = "", tls_key: str = "", tls_names: list[str] = (), schedulers: int = 1) -> int:
     """Runs the mesh until Ctrl-C or SIGTERM (exit code 0), restarting whatever dies. Exit code 1,
     with a message naming the service, its last log lines and its log, when a service fails at
     start or keeps failing to start again. `tls`: a private CA and a certificate per service in the
@@ -242,7 +253,7 @@ def up(model: "str | None | Pools", workers: int, redis_url: str | None, port: i
         children, redis, redis_url = launch(model, workers, redis_url, port, log_dir=log_dir, http_port=http_port,
                                             extra_worker=args.get("worker", []), extra_scheduler=args.get("scheduler", []),
                                             extra_router=args.get("router", []), extra_kvcache=args.get("kvcache", []),
-                                            tls=mesh_tls)
+                                            tls=mesh_tls, schedulers=schedulers)
     except ServiceFailed as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 1

@@ -55,7 +55,8 @@ class Supervisor:
         now = time.monotonic()
         self.restarts: dict[str, Restarts] = {c.name: Restarts(serving_since=now) for c in self.supervised()}
         self.events: list[str] = []  # what it did, for the console and for tests
-        self.single = any(c.name == "scheduler" for c in children)  # one `default` pool: workers are worker-N
+        # One `default` pool: workers are worker-N (else POOL-worker-N).
+        self.single = {c.pool for c in children if c.service == "scheduler"} == {"default"}
 
     def supervised(self) -> list[Child]:
         """Redis first: the services need it when they start again."""
@@ -125,7 +126,14 @@ class Supervisor:
                 self._note(f"{child.name} was drained ({reason}): replacing it")
 
     def _queue_states(self) -> dict[str, dict]:
-        return {pool_of(s): s for s in read_queue_states(self.redis)}
+        """Per pool, its schedulers' queue states merged: every worker, and the leader's autoscaling signal."""
+        pools: dict[str, dict] = {}
+        for state in read_queue_states(self.redis):
+            merged = pools.setdefault(pool_of(state), {"workers": {}})
+            merged["workers"].update(state["workers"])
+            if "autoscale" in state:
+                merged["autoscale"] = state["autoscale"]
+        return pools
 
     def _scale(self) -> None:
         for pool, state in self._queue_states().items():

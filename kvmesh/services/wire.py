@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from kvmesh.params import SamplingParams, StoppingParams
-from kvmesh.step import NewSequence, SampledToken, ScheduledChunk, StepPlan, StepResult
+import math
+
+from kvmesh.params import SamplingParams, StoppingParams, StructuredOutput
+from kvmesh.step import NewSequence, PromptLogprobs, SampledToken, ScheduledChunk, StepPlan, StepResult
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import worker_pb2 as wk
+
+# A Step stream's metadata: the scheduler's lease token on the worker (fencing) and its id.
+LEASE_TOKEN_METADATA = "kvmesh-lease-token"
+SCHEDULER_METADATA = "kvmesh-scheduler"
 
 
 def sampling_from_proto(m: gen.SamplingParams) -> SamplingParams:
@@ -17,7 +23,22 @@ def sampling_from_proto(m: gen.SamplingParams) -> SamplingParams:
         presence_penalty=m.presence_penalty,
         frequency_penalty=m.frequency_penalty,
         seed=m.seed if m.HasField("seed") else None,
+        logprobs=m.logprobs,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        logit_bias=tuple(sorted(m.logit_bias.items())),
+        structured_output=structured_from_proto(m.structured_output) if m.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(m: gen.StructuredOutput) -> StructuredOutput | None:
+    kind = m.WhichOneof("format")
+    if kind is None or (kind == "json_object" and not m.json_object):
+        return None
+    return StructuredOutput(kind, m.json_schema)
+
+
+def structured_to_proto(s: StructuredOutput) -> gen.StructuredOutput:
+    return gen.StructuredOutput(json_schema=s.schema) if s.kind == "json_schema" else gen.StructuredOutput(json_object=True)
 
 
 def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
@@ -26,6 +47,12 @@ def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
                            frequency_penalty=s.frequency_penalty)
     if s.seed is not None:
         m.seed = s.seed
+    m.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        m.prompt_logprobs = s.prompt_logprobs
+    m.logit_bias.update(s.logit_bias)
+    if s.structured_output is not None:
+        m.structured_output.CopyFrom(structured_to_proto(s.structured_output))
     return m
 
 
@@ -68,12 +95,38 @@ def plan_from_proto(m: wk.StepRequest) -> StepPlan:
 
 
 def result_to_proto(step: int, r: StepResult) -> wk.StepResult:
-    return wk.StepResult(step=step, forward_ms=r.forward_s * 1000, failed=list(r.failed),
-                         failure_reasons=list(r.failed.values()),
-                         tokens=[wk.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob) for t in r.tokens])
+    m = wk.StepResult(step=step, forward_ms=r.forward_s * 1000, failed=list(r.failed),
+                      failure_reasons=list(r.failed.values()))
+    add = m.tokens.add
+    for t in r.tokens:
+        if not t.top_ids and t.prompt is None:
+            add(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
+        else:
+            add(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob, top_ids=t.top_ids,
+                top_logprobs=t.top_logprobs, prompt=prompt_logprobs_to_proto(t.prompt))
+    return m
 
 
 def result_from_proto(m: wk.StepResult) -> StepResult:
     reasons = list(m.failure_reasons) + [""] * (len(m.failed) - len(m.failure_reasons))
-    return StepResult([SampledToken(t.seq_id, t.token_id, t.logprob) for t in m.tokens], m.forward_ms / 1000,
-                      dict(zip(m.failed, reasons)))
+    return StepResult([_sampled_from_proto(t) for t in m.tokens], m.forward_ms / 1000, dict(zip(m.failed, reasons)))
+
+
+def _sampled_from_proto(t: wk.SampledToken) -> SampledToken:
+    if not t.top_ids and not t.HasField("prompt"):
+        return SampledToken(t.seq_id, t.token_id, t.logprob)
+    prompt = PromptLogprobs(list(t.prompt.logprobs), list(t.prompt.top_ids), list(t.prompt.top_logprobs)) \
+        if t.HasField("prompt") else None
+    return SampledToken(t.seq_id, t.token_id, t.logprob, tuple(t.top_ids), tuple(t.top_logprobs), prompt)
+
+
+def prompt_logprobs_to_proto(p: PromptLogprobs | None) -> wk.LogprobsOfPrompt | None:
+    if p is None:
+        return None
+    return wk.LogprobsOfPrompt(logprobs=p.logprobs, top_ids=p.top_ids, top_logprobs=p.top_logprobs)
+
+
+def retry_hint(seconds: float) -> tuple[tuple[str, str], ...]:
+    """gRPC trailing metadata telling a caller refused for load or a limit when to try again:
+    `retry-after` in whole seconds (as HTTP's header) and `retry-after-ms`."""
+    return (("retry-after", str(max(1, math.ceil(seconds)))), ("retry-after-ms", str(int(seconds * 1000))))

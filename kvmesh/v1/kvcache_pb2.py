@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/kvcache.proto\x12\tkvmesh.v1\"\xd7\x01\n\x06PageOp\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.kvmesh.v1.PageOp.Kind\x12\x0e\n\x06seq_id\x18\x02 \x01(\t\x12\x10\n\x08page_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\"I\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04OPEN\x10\x01\x12\x08\n\x04GROW\x10\x02\x12\n\n\x06\x43OMMIT\x10\x03\x12\x0b\n\x07RELEASE\x10\x04\"\x86\x01\n\x0c\x41pplyRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x1e\n\x03ops\x18\x05 \x03(\x0b\x32\x11.kvmesh.v1.PageOp\x12\x0e\n\x06\x66orget\x18\x06 \x01(\x08\"!\n\rApplyResponse\x12\x10\n\x08\x64iverged\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"s\n\x0bWorkerPages\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x12\n\nused_pages\x18\x04 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\r\"8\n\rStatsResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerPages2\x81\x01\n\x07KVCache\x12:\n\x05\x41pply\x12\x17.kvmesh.v1.ApplyRequest\x1a\x18.kvmesh.v1.ApplyResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/kvcache.proto\x12\tkvmesh.v1\"\xd7\x01\n\x06PageOp\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.kvmesh.v1.PageOp.Kind\x12\x0e\n\x06seq_id\x18\x02 \x01(\t\x12\x10\n\x08page_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\"I\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04OPEN\x10\x01\x12\x08\n\x04GROW\x10\x02\x12\n\n\x06\x43OMMIT\x10\x03\x12\x0b\n\x07RELEASE\x10\x04\"\x9b\x01\n\x0c\x41pplyRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x1e\n\x03ops\x18\x05 \x03(\x0b\x32\x11.kvmesh.v1.PageOp\x12\x0e\n\x06\x66orget\x18\x06 \x01(\x08\x12\x13\n\x0blease_token\x18( \x01(\x04\"!\n\rApplyResponse\x12\x10\n\x08\x64iverged\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"s\n\x0bWorkerPages\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x12\n\nused_pages\x18\x04 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\r\"8\n\rStatsResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerPages2\x81\x01\n\x07KVCache\x12:\n\x05\x41pply\x12\x17.kvmesh.v1.ApplyRequest\x1a\x18.kvmesh.v1.ApplyResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PAGEOP_KIND']._serialized_start=181
   _globals['_PAGEOP_KIND']._serialized_end=254
   _globals['_APPLYREQUEST']._serialized_start=257
-  _globals['_APPLYREQUEST']._serialized_end=391
-  _globals['_APPLYRESPONSE']._serialized_start=393
-  _globals['_APPLYRESPONSE']._serialized_end=426
-  _globals['_STATSREQUEST']._serialized_start=428
-  _globals['_STATSREQUEST']._serialized_end=442
-  _globals['_WORKERPAGES']._serialized_start=444
-  _globals['_WORKERPAGES']._serialized_end=559
-  _globals['_STATSRESPONSE']._serialized_start=561
-  _globals['_STATSRESPONSE']._serialized_end=617
-  _globals['_KVCACHE']._serialized_start=620
-  _globals['_KVCACHE']._serialized_end=749
+  _globals['_APPLYREQUEST']._serialized_end=412
+  _globals['_APPLYRESPONSE']._serialized_start=414
+  _globals['_APPLYRESPONSE']._serialized_end=447
+  _globals['_STATSREQUEST']._serialized_start=449
+  _globals['_STATSREQUEST']._serialized_end=463
+  _globals['_WORKERPAGES']._serialized_start=465
+  _globals['_WORKERPAGES']._serialized_end=580
+  _globals['_STATSRESPONSE']._serialized_start=582
+  _globals['_STATSRESPONSE']._serialized_end=638
+  _globals['_KVCACHE']._serialized_start=641
+  _globals['_KVCACHE']._serialized_end=770
 # @@protoc_insertion_point(module_scope)

@@ -36,20 +36,22 @@ class PageOp(_message.Message):
     def __init__(self, kind: _Optional[_Union[PageOp.Kind, str]] = ..., seq_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ApplyRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "ops", "forget")
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "ops", "forget", "lease_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     FORGET_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_pages: int
     page_size: int
     ops: _containers.RepeatedCompositeFieldContainer[PageOp]
     forget: bool
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[PageOp, _Mapping]]] = ..., forget: _Optional[bool] = ...) -> None: ...
+    lease_token: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[PageOp, _Mapping]]] = ..., forget: _Optional[bool] = ..., lease_token: _Optional[int] = ...) -> None: ...
 
 class ApplyResponse(_message.Message):
     __slots__ = ("diverged",)

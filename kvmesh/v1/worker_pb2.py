@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import generation_pb2 as kvmesh_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x1akvmesh/v1/generation.proto\"\xbc\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"J\n\x0eScheduledChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnew_page_ids\x18\x03 \x03(\r\"\x7f\n\x0bStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x02 \x03(\t\x12#\n\x03new\x18\x03 \x03(\x0b\x32\x16.kvmesh.v1.NewSequence\x12,\n\tscheduled\x18\x04 \x03(\x0b\x32\x19.kvmesh.v1.ScheduledChunk\"A\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x8f\x01\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\'\n\x06tokens\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.SampledToken\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x05 \x03(\t\x12\x17\n\x0f\x66\x61ilure_reasons\x18\x06 \x03(\t\"\r\n\x0bInfoRequest\"\xa5\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x0c\n\x04pool\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\x12\x14\n\x0c\x63heck_prompt\x18\x0b \x03(\r\x12\x14\n\x0c\x63heck_answer\x18\x0c \x03(\r\x12\x19\n\x11memory_used_bytes\x18\r \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x0e \x01(\x04\x32z\n\x06Worker\x12\x39\n\x04Step\x12\x16.kvmesh.v1.StepRequest\x1a\x15.kvmesh.v1.StepResult(\x01\x30\x01\x12\x35\n\x04Info\x12\x16.kvmesh.v1.InfoRequest\x1a\x15.kvmesh.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x1akvmesh/v1/generation.proto\"\xbc\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"J\n\x0eScheduledChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnew_page_ids\x18\x03 \x03(\r\"\x7f\n\x0bStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x02 \x03(\t\x12#\n\x03new\x18\x03 \x03(\x0b\x32\x16.kvmesh.v1.NewSequence\x12,\n\tscheduled\x18\x04 \x03(\x0b\x32\x19.kvmesh.v1.ScheduledChunk\"\x95\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0f\n\x07top_ids\x18\x14 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x15 \x03(\x02\x12+\n\x06prompt\x18\x16 \x01(\x0b\x32\x1b.kvmesh.v1.LogprobsOfPrompt\"K\n\x10LogprobsOfPrompt\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x8f\x01\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\'\n\x06tokens\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.SampledToken\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x05 \x03(\t\x12\x17\n\x0f\x66\x61ilure_reasons\x18\x06 \x03(\t\"\r\n\x0bInfoRequest\"\xc9\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x0c\n\x04pool\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\x12\x14\n\x0c\x63heck_prompt\x18\x0b \x03(\r\x12\x14\n\x0c\x63heck_answer\x18\x0c \x03(\r\x12\x19\n\x11memory_used_bytes\x18\r \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x0e \x01(\x04\x12\x13\n\x0blease_token\x18( \x01(\x04\x12\r\n\x05owner\x18) \x01(\t2z\n\x06Worker\x12\x39\n\x04Step\x12\x16.kvmesh.v1.StepRequest\x1a\x15.kvmesh.v1.StepResult(\x01\x30\x01\x12\x35\n\x04Info\x12\x16.kvmesh.v1.InfoRequest\x1a\x15.kvmesh.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,14 +38,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULEDCHUNK']._serialized_end=330
   _globals['_STEPREQUEST']._serialized_start=332
   _globals['_STEPREQUEST']._serialized_end=459
-  _globals['_SAMPLEDTOKEN']._serialized_start=461
-  _globals['_SAMPLEDTOKEN']._serialized_end=526
-  _globals['_STEPRESULT']._serialized_start=529
-  _globals['_STEPRESULT']._serialized_end=672
-  _globals['_INFOREQUEST']._serialized_start=674
-  _globals['_INFOREQUEST']._serialized_end=687
-  _globals['_WORKERINFO']._serialized_start=690
-  _globals['_WORKERINFO']._serialized_end=983
-  _globals['_WORKER']._serialized_start=985
-  _globals['_WORKER']._serialized_end=1107
+  _globals['_SAMPLEDTOKEN']._serialized_start=462
+  _globals['_SAMPLEDTOKEN']._serialized_end=611
+  _globals['_LOGPROBSOFPROMPT']._serialized_start=613
+  _globals['_LOGPROBSOFPROMPT']._serialized_end=688
+  _globals['_STEPRESULT']._serialized_start=691
+  _globals['_STEPRESULT']._serialized_end=834
+  _globals['_INFOREQUEST']._serialized_start=836
+  _globals['_INFOREQUEST']._serialized_end=849
+  _globals['_WORKERINFO']._serialized_start=852
+  _globals['_WORKERINFO']._serialized_end=1181
+  _globals['_WORKER']._serialized_start=1183
+  _globals['_WORKER']._serialized_end=1305
 # @@protoc_insertion_point(module_scope)

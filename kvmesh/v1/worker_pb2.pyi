@@ -48,14 +48,30 @@ class StepRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., dropped: _Optional[_Iterable[str]] = ..., new: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_ids", "top_logprobs", "prompt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt: LogprobsOfPrompt
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt: _Optional[_Union[LogprobsOfPrompt, _Mapping]] = ...) -> None: ...
+
+class LogprobsOfPrompt(_message.Message):
+    __slots__ = ("logprobs", "top_ids", "top_logprobs")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "tokens", "forward_ms", "error", "failed", "failure_reasons")
@@ -78,7 +94,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "num_pages", "page_size", "max_context", "vocab_size", "eos_token_ids", "epoch", "pool", "version", "check_prompt", "check_answer", "memory_used_bytes", "memory_total_bytes")
+    __slots__ = ("worker_id", "model", "num_pages", "page_size", "max_context", "vocab_size", "eos_token_ids", "epoch", "pool", "version", "check_prompt", "check_answer", "memory_used_bytes", "memory_total_bytes", "lease_token", "owner")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +109,8 @@ class WorkerInfo(_message.Message):
     CHECK_ANSWER_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     num_pages: int
@@ -107,4 +125,6 @@ class WorkerInfo(_message.Message):
     check_answer: _containers.RepeatedScalarFieldContainer[int]
     memory_used_bytes: int
     memory_total_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., pool: _Optional[str] = ..., version: _Optional[str] = ..., check_prompt: _Optional[_Iterable[int]] = ..., check_answer: _Optional[_Iterable[int]] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+    lease_token: int
+    owner: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., pool: _Optional[str] = ..., version: _Optional[str] = ..., check_prompt: _Optional[_Iterable[int]] = ..., check_answer: _Optional[_Iterable[int]] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., lease_token: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...

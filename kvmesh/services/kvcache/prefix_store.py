@@ -38,6 +38,18 @@ class PrefixStore:
             pipe.hset(key, mapping=added)
         await pipe.execute()
 
+    async def rewrite(self, workers: dict[str, tuple[int, list[bytes]]]) -> None:
+        """Replaces the whole index with `workers` (worker id -> (epoch, its page hashes)) in one
+        round trip; entries of workers not named are deleted."""
+        stored = [k async for k in self.redis.scan_iter(match=prefix_key("*"), count=1000)]
+        pipe = self.redis.pipeline(transaction=True)
+        for key in stored:
+            pipe.delete(key)
+        for worker_id, (epoch, hashes) in workers.items():
+            if hashes:
+                pipe.hset(prefix_key(worker_id), mapping={h.hex(): epoch for h in hashes})
+        await pipe.execute()
+
     async def purge(self, worker_id: str) -> None:
         await self.redis.delete(prefix_key(worker_id))
 

@@ -1,12 +1,18 @@
 """The kvcache service: the authoritative page accounting of every worker, and its statistics.
 
 `Apply` takes one step's page operations for one worker (see replica.py) and replays them;
-a new epoch (the worker restarted) or `forget` (the worker is gone) drops that worker's pages.
+a new epoch (the worker restarted), a new owner (a scheduler that adopted the worker: a higher
+lease token) or `forget` (the worker is gone) drops that worker's pages.
 `Stats` answers per worker: total, free, used and cached pages.
+
+The accounting here is the owner of the prefix index; Redis holds a copy for the routers. When
+a write to it fails (Redis down) the copy is marked stale and written whole again once Redis
+answers, as it is when Redis comes back empty.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Awaitable, Callable
 
@@ -35,30 +41,42 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
     Apply bounds what it takes before it allocates anything: INVALID_ARGUMENT (naming the field
     and the limit) for a pool over `max_pages_per_worker` pages, too many operations or a page
     outside the pool; FAILED_PRECONDITION for a new epoch that the worker's registry record does
-    not show with that page count (so accounting exists only for registered workers). Operations
-    that do not fit the pool's state count as a divergence (`diverged`), never as a crash."""
+    not show with that page count (so accounting exists only for registered workers), and for a
+    lease token below the one seen for this worker and epoch (a scheduler that lost the worker;
+    its `forget` is ignored). Operations that do not fit the pool's state count as a divergence
+    (`diverged`), never as a crash."""
 
     def __init__(self, store: PrefixStore, metrics: KVCacheMetrics | None = None, *, max_pages_per_worker: int = 1 << 20,
                  registered_worker: Callable[[str], Awaitable[dict | None]] | None = None):
         self.pools: dict[str, tuple[int, PagePool]] = {}  # worker id -> (epoch, pool)
+        self.tokens: dict[str, int] = {}  # worker id -> the lease token of its owner now
         self.store = store
+        self.mirror_stale = False  # a write to Redis failed: the whole index is written again
+        self._mirror_lock = asyncio.Lock()  # one writer at a time, so a rewrite never overtakes a change
         self.metrics = metrics or KVCacheMetrics()
         self.tracer = telemetry.tracer("kvmesh.kvcache")
         self.max_pages_per_worker = max_pages_per_worker
         self.registered_worker = registered_worker  # worker id -> its registry record (None: no check)
 
     async def Apply(self, request, context):
+        stale_owner = request.lease_token < self.tokens.get(request.worker_id, 0)
         if request.forget:
-            self.pools.pop(request.worker_id, None)
-            self.metrics.forget(request.worker_id)
-            await self._mirror(request.worker_id, 0, [], purge=True)
+            if not stale_owner:
+                self.pools.pop(request.worker_id, None)
+                self.tokens.pop(request.worker_id, None)
+                self.metrics.forget(request.worker_id)
+                await self._mirror(request.worker_id, 0, [], purge=True)
             return kvcache_pb2.ApplyResponse()
         try:
             check_apply(request, self.max_pages_per_worker)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         epoch, pool = self.pools.get(request.worker_id, (None, None))
-        new_epoch = epoch != request.epoch
+        if stale_owner and epoch == request.epoch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"lease_token: {request.lease_token} is stale, worker {request.worker_id!r} is owned "
+                                f"with token {self.tokens[request.worker_id]}")
+        new_epoch = epoch != request.epoch or request.lease_token != self.tokens.get(request.worker_id, 0)
         if not new_epoch and request.num_pages != pool.num_pages:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"num_pages: worker {request.worker_id!r} has {pool.num_pages} pages at epoch {epoch}, "
@@ -69,6 +87,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             pool = PagePool(request.num_pages, request.page_size)
             pool.index_changes = []
             self.pools[request.worker_id] = (request.epoch, pool)
+            self.tokens[request.worker_id] = request.lease_token
         diverged = self._apply_traced(request.worker_id, pool, request.ops)
         changes, pool.index_changes = pool.index_changes, []
         if diverged:
@@ -120,10 +139,41 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         return None
 
     async def _mirror(self, worker_id: str, epoch: int, changes, purge: bool) -> None:
-        try:
-            await self.store.apply(worker_id, epoch, changes, purge=purge)
-        except Exception as e:  # Redis down: the page accounting itself is unaffected
-            log.warning("prefix mirror for %s failed: %s", worker_id, e)
+        if self.mirror_stale:
+            return  # Redis was down: the rewrite in `keep_mirror` writes this change too
+        async with self._mirror_lock:
+            try:
+                await self.store.apply(worker_id, epoch, changes, purge=purge)
+            except Exception as e:  # Redis down: the page accounting itself is unaffected
+                log.warning("prefix mirror for %s failed (%s): the index is written again once Redis answers", worker_id, e)
+                self.mirror_stale = True
+
+    async def rewrite_mirror(self) -> None:
+        """Writes the whole prefix index to Redis again: every worker's entries at its epoch, and
+        none for workers this service no longer accounts for. Raises Redis errors."""
+        async with self._mirror_lock:
+            # Changes after this snapshot wait for the lock and are written after it.
+            self.mirror_stale = False
+            snapshot = {w: (epoch, list(pool.index)) for w, (epoch, pool) in self.pools.items()}
+            try:
+                await self.store.rewrite(snapshot)
+            except Exception:
+                self.mirror_stale = True
+                raise
+        log.warning("prefix index rewritten to Redis (%d workers, %d pages)", len(snapshot),
+                    sum(len(hashes) for _, hashes in snapshot.values()))
+
+    async def keep_mirror(self, outage) -> None:
+        """While the copy in Redis is stale, rewrites it, retrying with `outage`'s backoff."""
+        while True:
+            delay = 0.5
+            if self.mirror_stale:
+                try:
+                    await self.rewrite_mirror()
+                    outage.ok()
+                except Exception as e:
+                    delay = outage.failed("rewriting the prefix index", e)
+            await asyncio.sleep(delay)
 
     async def Stats(self, request, context):
         workers = []
@@ -144,6 +194,12 @@ async def serve(common: CommonConfig, cfg: KVCacheServiceConfig) -> None:
                            common.host, cfg.port, mesh_server_credentials(common))
     await server.start()
     address = advertised_address(common, server.port)
+
+    async def mark_stale():  # Redis came back (maybe empty): write the whole index again
+        service.mirror_stale = True
+
+    registry.on_restore.append(mark_stale)
+    mirror = asyncio.create_task(service.keep_mirror(registry.outage))
     print(f"kvcache ready on {address}", flush=True)
     record = {"address": address, "metrics": advertised_address(common, metrics_port) if metrics_port else ""}
-    await serve_until_stopped(server, registry, "kvcache", address, record)
+    await serve_until_stopped(server, registry, "kvcache", address, record, tasks=(mirror,))

@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from kvmesh.fleet.canary import choose_version
 from kvmesh.fleet.rollout import RolloutState, canary_percent, serving_stable
 from kvmesh.services.worker.checkpoint import ModelConfig, load_config
@@ -36,22 +38,43 @@ def parse_models(spec: str, default_name: str) -> list[tuple[str, str]]:
     return pools
 
 
+def served_names(pools: list[tuple[str, str]], served_model_name: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """[(name, folder, aliases)]: a pool started from a folder also answers to the folder's path as
+    given, and a single pool to every comma-separated name of `served_model_name` (vLLM's
+    --served-model-name). ValueError when such a name is another pool's, or names several pools."""
+    extra = tuple(n.strip() for n in served_model_name.split(",") if n.strip())
+    if extra and len(pools) > 1:
+        raise ValueError("served_model_name: names one pool; with several, name each as NAME=DIR in --model")
+    served = [(name, folder, tuple(dict.fromkeys(a for a in (folder, *extra) if a and a != name)))
+              for name, folder in pools]
+    seen: dict[str, str] = {}
+    for name, _, aliases in served:
+        for n in (name, *aliases):
+            if seen.setdefault(n, name) != name:
+                raise ValueError(f"model name {n!r} is served by both {seen[n]!r} and {name!r}")
+    return served
+
+
 @dataclass
 class Pool:
     name: str
     model: ModelConfig
     tokenizer: Tokenizer
-    schedulers: list = field(default_factory=list)  # SchedulerStub of this pool's schedulers
+    aliases: tuple[str, ...] = ()  # other names clients may ask for: the folder as given, --served-model-name
+    schedulers: list = field(default_factory=list)  # SchedulerStub of this pool's live schedulers
     versions: dict[str, int] = field(default_factory=dict)  # version -> ready workers
     rollout: RolloutState | None = None
     turn: int = 0  # round-robin over schedulers
+    channels: dict = field(default_factory=dict)  # id(stub) -> its channel, to skip one that failed
+    _by_address: dict = field(default_factory=dict)  # address -> (channel, stub): stubs kept across rounds
+    kv_tokens: int | None = None  # tokens the smallest ready worker's KV pool holds (None: not known yet)
 
     @classmethod
-    def load(cls, name: str, folder: str) -> "Pool":
+    def load(cls, name: str, folder: str, aliases: tuple[str, ...] = ()) -> "Pool":
         from kvmesh.modelgen import default_model_dir
 
         model_dir = Path(folder) if folder else default_model_dir()
-        return cls(name, load_config(model_dir), Tokenizer.from_dir(model_dir))
+        return cls(name, load_config(model_dir), Tokenizer.from_dir(model_dir), aliases=aliases)
 
     @property
     def ready_workers(self) -> int:
@@ -61,8 +84,33 @@ class Pool:
     def ready(self) -> bool:
         return bool(self.schedulers) and self.ready_workers > 0
 
+    def set_schedulers(self, peers: list[tuple[str, grpc.aio.Channel]], stub_class) -> None:
+        """The pool's live schedulers now: (address, channel) each, in a stable order."""
+        known = {}
+        for address, channel in peers:
+            previous = self._by_address.get(address)
+            known[address] = previous if previous and previous[0] is channel else (channel, stub_class(channel))
+        self._by_address = known
+        self.schedulers = [stub for _, stub in known.values()]
+        self.channels = {id(stub): ch for ch, stub in known.values()}
+
+    def room_after(self, prompt_tokens: int) -> int:
+        """Tokens a completion of this prompt can have: the rest of the context, and no more than
+        a worker's KV pool holds beside the prompt (a request that could never fit is refused)."""
+        room = self.model.max_position_embeddings - prompt_tokens
+        if self.kv_tokens is not None:
+            room = min(room, self.kv_tokens - prompt_tokens)
+        return room
+
     def next_scheduler(self):
-        self.turn += 1
+        """Round-robin over the live schedulers, passing over one whose connection just failed (a
+        scheduler that died and whose leases have not expired yet) while another can take the request."""
+        for _ in range(len(self.schedulers)):
+            self.turn += 1
+            stub = self.schedulers[self.turn % len(self.schedulers)]
+            channel = self.channels.get(id(stub))
+            if channel is None or channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                return stub
         return self.schedulers[self.turn % len(self.schedulers)]
 
     def version_for(self, request_id: str) -> str:

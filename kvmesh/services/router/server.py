@@ -8,24 +8,25 @@ and ends every stream with a `finish` carrying reason, usage and timings. Only t
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import random
+import signal
 import time
 import uuid
 
 import grpc
 
-from kvmesh import telemetry
+from kvmesh import grammar, telemetry
 from kvmesh.fleet.rollout import RolloutState
 from kvmesh.metrics import RouterMetrics
-from kvmesh.params import InvalidRequest, validate_request, validate_request_id
+from kvmesh.params import MAX_CHOICES, InvalidRequest, validate_request, validate_request_id
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
-from kvmesh.services.registry import Registry, pool_of, ready_versions
-from kvmesh.services.router.pools import Pool, parse_models
-from kvmesh.services.router.stream import TokenRelay
+from kvmesh.services.registry import Registry, kv_tokens, pool_of, ready_versions
+from kvmesh.services.router.limits import Admission, KeyLimiter, KeyLimits, LimitExceeded
+from kvmesh.services.router.output import ChoiceOutput, alternatives, prompt_tokens
+from kvmesh.services.router.pools import Pool, parse_models, served_names
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -34,6 +35,8 @@ log = logging.getLogger("kvmesh.router")
 MAX_STOP_STRINGS = 16
 # The stop-string matcher's work per token grows with the square of a string's length.
 MAX_STOP_STRING_CHARS = 256
+# Choice i of a seeded request draws with seed + i * this (mod 2^63): distinct, reproducible seeds.
+CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
 # Every response message echoes the request id: a long one would multiply what a request costs.
 # A scheduler call that broke this way lost its scheduler (or its connection to it): resubmit.
 RESUMABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -77,41 +80,60 @@ async def _events_of(call):
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
-    """Generate, ListModels, Tokenize. Errors: INVALID_ARGUMENT naming the field and the limit
-    (also for a message that does not decode), RESOURCE_EXHAUSTED for a message over
-    max_request_bytes, NOT_FOUND for an unknown model, UNAVAILABLE while no scheduler or worker
-    is ready; a scheduler's error status is passed on as it came."""
+    """Generate, ListModels, Tokenize. Errors: UNAUTHENTICATED without a configured API key,
+    INVALID_ARGUMENT naming the field and the limit (also for a message that does not decode),
+    RESOURCE_EXHAUSTED for a message over max_request_bytes and for a request over its key's limits
+    (with the `retry-after` hint, limits.py), NOT_FOUND for an unknown model, UNAVAILABLE while no
+    scheduler or worker is ready; a scheduler's error status is passed on as it came."""
 
-    def __init__(self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics | None = None,
+    def __init__(self, cfg: RouterConfig, registry: Registry, limiter: KeyLimiter, metrics: RouterMetrics | None = None,
                  identity: MeshIdentity | None = None):
         self.cfg = cfg
         self.schedulers = RegisteredPeers(identity, "scheduler")  # mTLS to them when the mesh has an identity
-        self.api_keys = cfg.api_key_set()
+        self.keys = cfg.key_book()
+        self.limiter = limiter
         self.metrics = metrics or RouterMetrics()
         self.tracer = telemetry.tracer("kvmesh.router")
-        self.pools: dict[str, Pool] = {name: Pool.load(name, folder) for name, folder in parse_models(cfg.model, cfg.model_name)}
+        served = served_names(parse_models(cfg.model, cfg.model_name), cfg.served_model_name)
+        self.pools: dict[str, Pool] = {name: Pool.load(name, folder, aliases) for name, folder, aliases in served}
         self.default_pool = next(iter(self.pools))
+        self._by_name = {n: p for p in self.pools.values() for n in (p.name, *p.aliases)}
+        for name in self.pools:
+            self.metrics.start(name)
+        self.metrics.start_keys(self.keys.ids())
         self.registry = registry
         self._seeds = random.Random()
 
     async def discover(self, on_ready) -> None:
-        """Every half second: each pool's schedulers (those that answered over the mesh's channel,
-        so an entry from a peer without a certificate from the CA gets no traffic), ready workers per
-        version and rollout state."""
+        """Every half second: each pool's live schedulers (those that answered over the mesh's
+        channel, so an entry from a peer without a certificate from the CA gets no traffic, and
+        that own a worker), ready workers per version and rollout state. Without Redis, and until
+        the registry settled after an outage, pools keep what was last read; rounds retry with backoff."""
         while True:
+            delay = 0.5
             try:
-                schedulers = await self.registry.services("scheduler")
-                workers = await self.registry.services("worker")
-                verified = dict(await self.schedulers.channels([r["address"] for r in schedulers]))
-                for pool in self.pools.values():
-                    addresses = [r["address"] for r in schedulers if pool_of(r) == pool.name and r["address"] in verified]
-                    pool.schedulers = [scheduler_pb2_grpc.SchedulerStub(verified[a]) for a in addresses]
-                    pool.versions = ready_versions(workers, pool.name)
-                    pool.rollout = await self._rollout(pool.name)
+                await self.registry.check_registration()
+                if self.registry.settled():
+                    await self._read_pools()
                 await on_ready(self.is_ready)
             except Exception as e:
-                log.warning("discovery failed: %s", e)
-            await asyncio.sleep(0.5)
+                delay = self.registry.outage.failed("discovery", e)
+            await asyncio.sleep(delay)
+
+    async def _read_pools(self) -> None:
+        schedulers = await self.registry.services("scheduler")
+        workers = await self.registry.services("worker")
+        owners = {lease[0] for lease in (await self.registry.worker_owners([w["id"] for w in workers])).values()}
+        verified = dict(await self.schedulers.channels([r["address"] for r in schedulers]))
+        for pool in self.pools.values():
+            addresses = [r["address"] for r in schedulers if pool_of(r) == pool.name and r["address"] in verified]
+            # A scheduler without a worker would answer UNAVAILABLE; with no owners known (schedulers
+            # of an older release), every registered one.
+            pool.set_schedulers([(a, verified[a]) for a in addresses if a in owners] or [(a, verified[a]) for a in addresses],
+                                scheduler_pb2_grpc.SchedulerStub)
+            pool.versions = ready_versions(workers, pool.name)
+            pool.kv_tokens = kv_tokens(workers, pool.name)
+            pool.rollout = await self._rollout(pool.name)
 
     @property
     def is_ready(self) -> bool:
@@ -128,11 +150,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             return None
 
     def pool_for(self, name: str) -> Pool:
-        """The pool clients call `name` ('' is the first one); RouterError(NOT_FOUND) if none."""
-        pool = self.pools.get(name or self.default_pool)
+        """The pool clients call `name`, by its name or an alias ('' is the first one); RouterError(NOT_FOUND) if none."""
+        pool = self._by_name.get(name or self.default_pool)
         if pool is None:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
-                              f"model {name!r} is not served here (served: {', '.join(repr(p) for p in self.pools)})")
+                              f"model {name!r} is not served here (served: {', '.join(repr(n) for n in self._by_name)})")
         return pool
 
     async def _ready_pool(self, pool: Pool, timeout: float | None) -> None:
@@ -177,11 +199,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequest("stop", f"has {len(request.stopping.stop)} strings, over the limit of {MAX_STOP_STRINGS}")
         if (longest := max(map(len, request.stopping.stop), default=0)) > MAX_STOP_STRING_CHARS:
             raise InvalidRequest("stop", f"holds a string of {longest} characters, over the limit of {MAX_STOP_STRING_CHARS}")
+        if request.n > MAX_CHOICES:
+            raise InvalidRequest("n", f"must be in [1, {MAX_CHOICES}], got {request.n}")
+        if request.n > 1:  # choice i runs as request_id.i
+            validate_request_id(f"{request.request_id}.{request.n - 1}")
         ids = await self._prompt_ids(pool, request)
         sampling = wire.sampling_from_proto(request.sampling)
         stopping = wire.stopping_from_proto(request.stopping)
         validate_request(ids, sampling, stopping, max_context=pool.model.max_position_embeddings,
                          vocab_size=pool.model.vocab_size)
+        if sampling.structured_output is not None:
+            await asyncio.to_thread(grammar.check, sampling.structured_output)  # a large schema takes a while
         submit = scheduler_pb2.SubmitRequest(
             request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
             sampling=request.sampling, stopping=wire.stopping_to_proto(stopping), priority=request.priority)
@@ -190,35 +218,89 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         submit.version = pool.version_for(submit.request_id)
         return submit
 
-    def check_api_key(self, authorization: str | None) -> None:
-        """Raises RouterError(UNAUTHENTICATED) when API keys are configured and `authorization` is not one."""
-        if not self.api_keys:
-            return
+    def check_api_key(self, authorization: str | None) -> KeyLimits | None:
+        """The limits of the caller's key, None when no keys are configured; RouterError(UNAUTHENTICATED)
+        when keys are configured and `authorization` is not `Bearer <one of them>`."""
+        if not self.keys.enabled:
+            return None
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip(), k) for k in self.api_keys):
+        limits = self.keys.find(key.strip()) if scheme.lower() == "bearer" else None
+        if limits is None:
             raise RouterError(grpc.StatusCode.UNAUTHENTICATED,
                               "missing or wrong API key: send `authorization: Bearer <key>`")
+        return limits
+
+    async def watch_keys(self) -> None:
+        """Reads the keys file again when it changes (checked every second) or on SIGHUP."""
+        if not self.keys.path:
+            return
+        changed = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, changed.set)
+        while True:
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+            if self.keys.reload(force=changed.is_set()):
+                self.metrics.start_keys(self.keys.ids())
+            changed.clear()
+
+    async def _admit(self, key: KeyLimits | None, span: telemetry.Span) -> Admission | None:
+        """Takes the request's place under its key's requests/s and in-flight limits."""
+        if key is None:
+            return None
+        span.set_attribute("kvmesh.api_key_id", key.id)
+        try:
+            admission = await self.limiter.admit(key)
+        except LimitExceeded as e:
+            raise self._refused(key, e) from None
+        self.metrics.key_requests.labels(key.id, "admitted").inc()
+        return admission
+
+    async def _take_prompt(self, admission: Admission | None, prompt_tokens: int) -> None:
+        if admission is None:
+            return
+        try:
+            await self.limiter.take_prompt(admission.key, prompt_tokens)
+        except LimitExceeded as e:
+            raise self._refused(admission.key, e) from None
+        self.metrics.key_tokens.labels(admission.key.id).inc(prompt_tokens)
+
+    def _refused(self, key: KeyLimits, e: LimitExceeded) -> RouterError:
+        self.metrics.key_requests.labels(key.id, e.limit).inc()
+        hint = wire.retry_hint(e.retry_after_s) if e.retry_after_s is not None else ()
+        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), hint)
 
     def open_span(self, metadata) -> telemetry.Span:
         """The request's `kvmesh.generate` span, a child of the caller's `traceparent` when there is one."""
         return self.tracer.start_span("kvmesh.generate", context=telemetry.context_from_metadata(metadata),
                                       kind=telemetry.SpanKind.SERVER)
 
-    async def generate(self, request, timeout: float | None, span: telemetry.Span, resumable: bool = False):
-        """Streams GenerateResponse messages for one request; the last one carries `finish`.
+    async def generate(self, request, timeout: float | None, span: telemetry.Span, key: KeyLimits | None = None,
+                       resumable: bool = False):
+        """Streams GenerateResponse messages for one request; the last one (per choice) carries `finish`.
         Raises RouterError for bad input (INVALID_ARGUMENT), an unknown model (NOT_FOUND), nothing
-        ready (UNAVAILABLE) and a scheduler's error status, passed on as it came (retry hint included).
-        A request whose scheduler or worker dies is resubmitted with the tokens already streamed
-        (UNAVAILABLE when no scheduler takes it within resume_timeout_s). `resumable`: the client
-        can resume the request by its request_id, so the scheduler holds it when the stream drops.
-        Records the request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
+        ready (UNAVAILABLE), a request over `key`'s limits (RESOURCE_EXHAUSTED with a retry hint)
+        and a scheduler's error status, passed on as it came (retry hint included). A choice whose
+        scheduler or worker dies is resubmitted with the tokens already streamed (UNAVAILABLE when
+        no scheduler takes it within resume_timeout_s). `resumable`: the client can resume the
+        request by its request_id, so the scheduler holds it when the stream drops. Records the
+        request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
         started = time.monotonic()
-        model = request.model or self.default_pool
-        model = model if model in self.pools else "unknown"  # a label per served pool only: bounded
+        pool = self._by_name.get(request.model or self.default_pool)
+        model = pool.name if pool is not None else "unknown"  # a label per served pool only: bounded
         self.metrics.in_flight.labels(model).inc()
+        finishes, choices = 0, max(1, request.n)
+        admission = None
         try:
-            async for out in self._generate(request, timeout, span, started, resumable):
+            admission = await self._admit(key, span)
+            async for out in self._generate(request, timeout, span, started, admission, resumable):
+                finishes += out.HasField("finish")
                 yield out
+        except (GeneratorExit, asyncio.CancelledError):  # the caller closed the stream: its client left
+            if finishes < choices:
+                self.metrics.cancelled.labels(model).inc()
+            raise
         except RouterError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:  # unknown names would grow the label set without bound
                 self.metrics.failure.labels(model, e.code.name).inc()
@@ -226,17 +308,23 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             self.metrics.in_flight.labels(model).dec()
+            if admission is not None:
+                await self.limiter.finish(admission)
+                self.metrics.key_tokens.labels(admission.key.id).inc(admission.output_tokens)
 
-    async def _generate(self, request, timeout, span, started, resumable):
+    async def _generate(self, request, timeout, span, started, admission: Admission | None, resumable: bool):
         pool = self.pool_for(request.model)
         try:
             submit = await self._validated(pool, request)
             resume_from = request.resume_from if request.HasField("resume_from") else None
             if resume_from is not None and not request.request_id:
                 raise InvalidRequest("resume_from", "needs the request_id of the stream to resume")
+            if resume_from is not None and request.n > 1:
+                raise InvalidRequest("resume_from", f"resumes one stream: n must be 1, got {request.n}")
         except InvalidRequest as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field) from None
         submit.resumable = resumable
+        await self._take_prompt(admission, len(submit.prompt_token_ids))
         if not pool.ready:
             waited = time.monotonic()
             await self._ready_pool(pool, timeout)
@@ -246,59 +334,96 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         span.set_attribute("kvmesh.request_id", submit.request_id)
         span.set_attribute("kvmesh.prompt_tokens", len(submit.prompt_token_ids))
         span.set_attribute("kvmesh.max_new_tokens", submit.stopping.max_new_tokens)
-        relay = TokenRelay(pool.tokenizer, list(submit.prompt_token_ids), list(request.stopping.stop), resume_from or 0)
         deadline = None if timeout is None else time.monotonic() + timeout
+        scheduler = pool.next_scheduler()  # one for all choices: the first one's prompt pages serve the others
+        choices = [self._choice(pool, scheduler, request, self._choice_submit(submit, i, request.sampling), i,
+                                resume_from, deadline, span, started, admission) for i in range(max(1, request.n))]
+        merged = choices[0] if len(choices) == 1 else _after_first(choices)
+        try:
+            async for out in merged:
+                yield out
+        finally:
+            await merged.aclose()  # at once: cancels what still runs upstream
+
+    def _choice_submit(self, submit: scheduler_pb2.SubmitRequest, i: int, asked) -> scheduler_pb2.SubmitRequest:
+        """Choice i's request: its own id and seed (derived from the request's seed when one was
+        given, so the choices are distinct and reproducible); prompt logprobs with choice 0 only."""
+        if i == 0:
+            return submit
+        choice = scheduler_pb2.SubmitRequest()
+        choice.CopyFrom(submit)
+        choice.request_id = f"{submit.request_id}.{i}"
+        choice.sampling.seed = (asked.seed + i * CHOICE_SEED_STRIDE) % 2**63 if asked.HasField("seed") \
+            else self._seeds.getrandbits(63)
+        choice.sampling.ClearField("prompt_logprobs")
+        return choice
+
+    async def _choice(self, pool: Pool, scheduler, request, submit, index: int, resume_from: int | None,
+                      deadline: float | None, span, started, admission: Admission | None):
+        """One completion's stream: its scheduler request's token events, across every scheduler
+        call `_events` makes for it, as GenerateResponses with text (`ChoiceOutput`)."""
+        text = ChoiceOutput(pool.tokenizer, submit.prompt_token_ids, list(request.stopping.stop), resume_from or 0)
+        k = submit.sampling.logprobs
         trace_id = telemetry.trace_id_hex(span)
         itl = self.metrics.itl.labels(pool.name)
         first_token_at, last_token_at = None, None
-        async for event in self._events(pool, submit, resume_from, deadline, span, relay):
-            out = gen.GenerateResponse(request_id=submit.request_id)
-            now = time.monotonic()
-            for token_id, logprob in zip(event.token_ids, event.logprobs):
-                token = relay.push(token_id, logprob)
-                if token is not None:
-                    first_token_at = first_token_at or now
-                    if last_token_at is not None:
-                        itl.observe(now - last_token_at)
-                    last_token_at = now
-                    out.tokens.append(token)
-                if relay.stopped:
-                    break
-            reason = gen.STOP if relay.stopped else event.finish_reason
-            if reason != gen.FINISH_REASON_UNSPECIFIED:
-                if len(relay.token_ids) < relay.skip:
-                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"resume_from: {relay.skip} is more than the {len(relay.token_ids)} tokens "
-                                      f"request {submit.request_id!r} produced", field="resume_from")
-                if not relay.stopped and out.tokens:
-                    out.tokens[-1].text += relay.flush()
-                finish = gen.Finish(
-                    reason=reason, prompt_tokens=len(submit.prompt_token_ids),
-                    cached_prompt_tokens=event.cached_prompt_tokens, completion_tokens=len(relay.token_ids),
-                    queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
-                    total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
-                    worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version,
-                    resumes=event.resumes)
-                self._record_finish(pool.name, finish, span)
-                out.finish.CopyFrom(finish)
-                yield out
-                return
-            if out.tokens:
-                yield out
+        try:
+            async for event in self._events(pool, scheduler, submit, resume_from, deadline, span, text):
+                out = gen.GenerateResponse(request_id=request.request_id or submit.request_id, index=index)
+                if event.HasField("prompt"):
+                    out.prompt_tokens.extend(prompt_tokens(pool.tokenizer, submit.prompt_token_ids, event.prompt,
+                                                           submit.sampling.prompt_logprobs))
+                    submit.sampling.ClearField("prompt_logprobs")  # sent: a resubmit must not ask again
+                now = time.monotonic()
+                for i, (token_id, logprob) in enumerate(zip(event.token_ids, event.logprobs)):
+                    token = text.token(token_id, logprob, alternatives(event.top_ids, event.top_logprobs, k, i) if k else ())
+                    if token is not None:  # None: replayed for a resuming client that has it already
+                        first_token_at = first_token_at or now
+                        if last_token_at is not None:
+                            itl.observe(now - last_token_at)
+                        last_token_at = now
+                        out.tokens.append(token)
+                    if text.stopped:
+                        break
+                reason = gen.STOP if text.stopped else event.finish_reason
+                if reason != gen.FINISH_REASON_UNSPECIFIED:
+                    if len(text.token_ids) < text.skip:
+                        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                          f"resume_from: {text.skip} is more than the {len(text.token_ids)} tokens "
+                                          f"request {submit.request_id!r} produced", field="resume_from")
+                    if out.tokens:
+                        out.tokens[-1].text += text.finish()
+                    finish = gen.Finish(
+                        reason=reason, prompt_tokens=len(submit.prompt_token_ids),
+                        cached_prompt_tokens=event.cached_prompt_tokens, completion_tokens=len(text.token_ids),
+                        queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
+                        total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
+                        worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version,
+                        resumes=event.resumes)
+                    self._record_finish(pool.name, finish, submit.stopping.max_new_tokens, span)
+                    out.finish.CopyFrom(finish)
+                    yield out
+                    return
+                if out.tokens or out.prompt_tokens:
+                    yield out
+        finally:
+            if admission is not None:  # every choice's tokens sent on this stream count against the key
+                admission.output_tokens += max(0, len(text.token_ids) - text.skip)
 
-    async def _events(self, pool: Pool, submit, resume_from: int | None, deadline: float | None, span,
-                      relay: TokenRelay):
+    async def _events(self, pool: Pool, scheduler, submit, resume_from: int | None, deadline: float | None, span,
+                      output: ChoiceOutput):
         """The scheduler's TokenEvents for the request, to its last one, across every scheduler
         call it takes: an Attach to the scheduler holding it when the client resumes
         (`resume_from`), else a Submit; then, whenever the call breaks (UNAVAILABLE, CANCELLED: its
         scheduler died) or ends because its worker was lost, a Submit to a live scheduler of the
-        pool with the tokens already streamed (`relay`), retried with backoff for resume_timeout_s.
+        pool with the tokens already streamed (`output`), retried with backoff for resume_timeout_s.
         RouterError for any other error status, and UNAVAILABLE when that time runs out."""
         call = await self._attach(submit, resume_from) if resume_from is not None else None
         failures, give_up, cause = 0, None, None
         while True:
-            if call is None and pool.schedulers:
-                call = self._submit(pool, submit, relay, deadline, span)
+            if call is None and (scheduler is not None or pool.schedulers):
+                call = self._submit(scheduler or pool.next_scheduler(), submit, output, deadline, span)
+                scheduler = None  # a resubmit goes to whichever live scheduler is next
             try:
                 if call is None:
                     raise _Lost(f"pool {pool.name!r} has no live scheduler", heard=False)
@@ -312,9 +437,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 if lost.heard:  # it was running: this is a resume (a refused retry is not one)
                     submit.resumes += 1
                     failures, give_up = 0, None
-                    log.warning("request %s: %s; resuming it after %d tokens", submit.request_id, why, len(relay.token_ids))
+                    log.warning("request %s: %s; resuming it after %d tokens", submit.request_id, why, len(output.token_ids))
             except grpc.aio.AioRpcError as e:
-                if not (e.code() == grpc.StatusCode.NOT_FOUND and resume_from == 0 and not relay.token_ids):
+                if not (e.code() == grpc.StatusCode.NOT_FOUND and resume_from == 0 and not output.token_ids):
                     raise RouterError(e.code(), e.details() or "scheduler error", tuple(e.trailing_metadata() or ())) from None
                 call, resume_from = None, None  # nothing held and nothing received: start it afresh
                 continue
@@ -332,13 +457,14 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                                   f"took it over within {self.cfg.resume_timeout_s:g}s (resume_timeout_s; last try: {why})")
             await asyncio.sleep(delay)
 
-    def _submit(self, pool: Pool, submit, relay: TokenRelay, deadline: float | None, span):
-        """A Submit of the request to the pool's next scheduler, continuing after the tokens streamed so far."""
+    def _submit(self, scheduler, submit, output: ChoiceOutput, deadline: float | None, span):
+        """A Submit of the request to `scheduler`, continuing after the tokens streamed so far
+        (as output tokens: the worker replays them into the request's grammar too)."""
         del submit.output_token_ids[:], submit.output_logprobs[:]
-        submit.output_token_ids.extend(relay.token_ids)
-        submit.output_logprobs.extend(relay.logprobs)
+        submit.output_token_ids.extend(output.token_ids)
+        submit.output_logprobs.extend(output.logprobs)
         timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
-        return pool.next_scheduler().Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
+        return scheduler.Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
 
     async def _attach(self, submit, resume_from: int):
         """An Attach call to the scheduler holding the request; None (submit it afresh) when none
@@ -356,13 +482,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         return scheduler_pb2_grpc.SchedulerStub(channel).Attach(
             scheduler_pb2.AttachRequest(request_id=rid, prompt_token_ids=submit.prompt_token_ids))
 
-    def _record_finish(self, model: str, f: gen.Finish, span: telemetry.Span) -> None:
+    def _record_finish(self, model: str, f: gen.Finish, max_tokens: int, span: telemetry.Span) -> None:
         m = self.metrics
         reason = gen.FinishReason.Name(f.reason).lower()
         m.success.labels(model, reason).inc()
         m.ttft.labels(model).observe(f.ttft_ms / 1000)
         m.e2e.labels(model).observe(f.total_ms / 1000)
         m.queue.labels(model).observe(f.queue_ms / 1000)
+        m.prefill_time.labels(model).observe(max(0.0, f.ttft_ms - f.queue_ms) / 1000)
+        m.decode_time.labels(model).observe(max(0.0, f.total_ms - f.ttft_ms) / 1000)
+        m.inference_time.labels(model).observe(max(0.0, f.total_ms - f.queue_ms) / 1000)
+        m.max_tokens.labels(model).observe(max_tokens)
         if f.completion_tokens > 1:
             m.tpot.labels(model).observe((f.total_ms - f.ttft_ms) / 1000 / (f.completion_tokens - 1))
         m.prompt_len.labels(model).observe(f.prompt_tokens)
@@ -381,18 +511,20 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         trace id). The trace id is also sent first, as `kvmesh-trace-id` response metadata."""
         metadata = context.invocation_metadata()
         span = self.open_span(metadata)
-        # A request the client named can be resumed by that name: the scheduler holds it when the stream drops.
-        stream = self.generate(request, context.time_remaining(), span, resumable=bool(request.request_id))
+        stream = None
         try:
             if trace_id := telemetry.trace_id_hex(span):
                 await context.send_initial_metadata((("kvmesh-trace-id", trace_id),))
-            self.check_api_key(dict(metadata or ()).get("authorization"))
+            key = self.check_api_key(dict(metadata or ()).get("authorization"))
+            # A request the client named can be resumed by that name: the scheduler holds it when the stream drops.
+            stream = self.generate(request, context.time_remaining(), span, key, resumable=bool(request.request_id))
             async for out in stream:
                 yield out
         except RouterError as e:
             await context.abort(e.code, e.message, e.trailing)
         finally:
-            await stream.aclose()  # at once, so a client that left frees its request upstream now
+            if stream is not None:
+                await stream.aclose()  # at once, so a client that left frees its request upstream now
             span.end()
 
     async def _authorized(self, context) -> None:
@@ -407,7 +539,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     def model_infos(self) -> list[gen.ModelInfo]:
         """The pools with a ready worker, each with its versions and their share of traffic."""
-        return [gen.ModelInfo(name=p.name, ready_workers=p.ready_workers, max_context=p.model.max_position_embeddings,
+        return [gen.ModelInfo(name=p.name, aliases=p.aliases, ready_workers=p.ready_workers,
+                              max_context=p.model.max_position_embeddings,
                               versions=[gen.ModelVersion(version=v, ready_workers=n, traffic_percent=p.traffic_percent(v))
                                         for v, n in sorted(p.versions.items())])
                 for p in self.pools.values() if p.ready]
@@ -424,12 +557,51 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
+async def _after_first(choices: list):
+    """The choices' responses as they come: the first choice alone until its first response (its
+    prompt is then computed and its full pages are in the prefix cache), then the others beside it.
+    The first error raised ends them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(choice):
+        try:
+            async for out in choice:
+                queue.put_nowait(out)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(finished)
+
+    tasks = [asyncio.create_task(pump(choices[0]))]
+    live = 1
+    try:
+        while live:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if len(tasks) == 1:  # the first choice's first response (or its end): start the rest
+                tasks += [asyncio.create_task(pump(c)) for c in choices[1:]]
+                live += len(choices) - 1
+            if item is finished:
+                live -= 1
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for choice in choices[len(tasks):]:
+            await choice.aclose()
+
+
 async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
     from kvmesh.services.router.http import start_http
 
     telemetry.setup_tracing("router")
     registry = Registry(common.redis_url)
-    service = RouterService(cfg, registry, identity=mesh_identity(common))
+    limiter = KeyLimiter(common.redis_url)
+    service = RouterService(cfg, registry, limiter, identity=mesh_identity(common))
     # The public ports: TLS only with a certificate of their own (the mesh's mTLS is for internal calls).
     server = ServiceServer(["kvmesh.v1.Generation"], lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s),
                            common.host, cfg.port, public_server_credentials(cfg.tls_cert, cfg.tls_key),
@@ -450,7 +622,7 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
             ready.set()
             print(f"router ready on {address} (HTTP {http_address or 'off'})", flush=True)
 
-    discovery = asyncio.create_task(service.discover(on_ready))
-    cleanups = (http[0].cleanup,) if http else ()
+    tasks = tuple(asyncio.create_task(t) for t in (service.discover(on_ready), service.watch_keys(), limiter.renew_leases()))
+    cleanups = (*((http[0].cleanup,) if http else ()), limiter.close)
     await serve_until_stopped(server, registry, "router", address, {"address": address, "http": http_address},
-                              tasks=(discovery,), serving=False, cleanups=cleanups)
+                              tasks=tasks, serving=False, cleanups=cleanups)

@@ -68,7 +68,10 @@ class TokenEvent:
     token_id: int | None
     logprob: float | None
     finish_reason: FinishReason | None = None
-    message: str = ""  # why, for an ERROR finish
+    message: str = ""  # why, for an ERROR finish or a refusal
+    # The request never started and is refused for load: its stream ends RESOURCE_EXHAUSTED with a
+    # retry hint, which a client retries, rather than with a finish.
+    refused: bool = False
 
 
 class Scheduler:
@@ -186,13 +189,17 @@ class Scheduler:
         return plan
 
     def expire_waiting(self, max_wait_s: float, now: float | None = None) -> list[TokenEvent]:
-        """Ends requests that have waited longer than max_wait_s without ever being scheduled."""
+        """Refuses requests that have waited longer than max_wait_s without ever being scheduled:
+        nothing of theirs was computed or streamed, so each ends CANCELLED here and `refused` (a
+        load refusal for its client, with a retry hint), not ERROR."""
         now = time.monotonic() if now is None else now
         expired = [r for r in self.waiting if r.first_scheduled_time is None and now - r.arrival_time > max_wait_s]
         events = []
         for req in expired:
-            event = self.abort(req.request_id, FinishReason.ERROR)
-            event.message = f"waited {now - req.arrival_time:.1f} s in the queue, over the limit of {max_wait_s:g} s"
+            event = self.abort(req.request_id, FinishReason.CANCELLED)
+            event.message = (f"overloaded: waited {now - req.arrival_time:.1f} s in the queue without starting, "
+                             f"over the limit of {max_wait_s:g} s (max_queue_wait_s)")
+            event.refused = True
             events.append(event)
         return events
 

@@ -159,14 +159,37 @@ class HealthChecks:
         self.tracker.forget(worker_id)
 
 
-class RolloutController:
-    """Drives the pool's canary rollout (state in Redis, written with compare-and-set) once a second.
-    The lease makes it safe to run it in more than one process; today a pool has one scheduler
-    (a worker takes one scheduler's step stream at a time), which judges from its own requests."""
+class PoolLeader:
+    """The pool's leader lease: of the pool's schedulers, the holder runs the duties that must run
+    once per pool (the rollout controller, the autoscaling signal). Renewed every second with a
+    3 s TTL, so a dead leader's duties move to a survivor within about 4 s. While Redis does not
+    answer, `held` stays as it was (nobody can take the lease meanwhile)."""
 
-    def __init__(self, service, holder: str):
+    TTL_S = 3.0
+
+    def __init__(self, registry, pool: str, holder: str):
+        self.registry, self.pool, self.holder = registry, pool, holder
+        self.held = False
+
+    async def run(self) -> None:
+        while True:
+            try:
+                held = await self.registry.hold_lease(f"scheduler-leader:{self.pool}", self.holder, self.TTL_S)
+                if held != self.held:
+                    log.warning("%s the leader of pool %s", "became" if held else "is no longer", self.pool)
+                self.held = held
+            except Exception:  # Redis down: the discovery loop reports the outage
+                pass
+            await asyncio.sleep(1.0)
+
+
+class RolloutController:
+    """Drives the pool's canary rollout (state in Redis, written with compare-and-set) once a second,
+    on the pool's leader only. The leader judges from the requests it scheduled itself: with several
+    schedulers, a sample of the pool's traffic (the router spreads requests over them evenly)."""
+
+    def __init__(self, service):
         self.service = service
-        self.holder = holder
 
     async def run(self) -> None:
         while True:
@@ -178,10 +201,10 @@ class RolloutController:
 
     async def tick(self) -> None:
         registry, pool = self.service.registry, self.service.cfg.pool
+        if not self.service.leader.held:
+            return
         stored = await registry.rollout(pool)
         if stored is None or stored.get("status") != "running":
-            return
-        if not await registry.hold_lease(f"rollout:{pool}", self.holder, ttl_s=5):
             return
         state = RolloutState.from_json(stored)
         now = time.time()
@@ -193,17 +216,17 @@ class RolloutController:
 
 
 class AutoscaleSignal:
-    """The pool's desired worker count from the token queue and the TTFT p95 of the last minute;
-    exported as kvmesh_desired_workers{pool} and in the queue state, where `kvmesh up --autoscale` reads it."""
+    """The pool's desired worker count from the pool's token queue and the TTFT p95 of the last
+    minute (of the requests this scheduler saw); computed by the pool's leader, exported as
+    kvmesh_desired_workers{pool} and in its queue state, where `kvmesh up --autoscale` reads it."""
 
     def __init__(self, service):
         self.service = service
         self.autoscaler = Autoscaler(service.cfg.autoscale_policy())
         self.last = None
 
-    def update(self, estimated_tokens: int) -> dict:
-        workers = [w for w in self.service.workers.values() if w.alive and not w.draining]
-        signals = PoolSignals(estimated_tokens, self.service.outcomes.ttft_p95(time.time() - 60), len(workers))
-        self.last = decision = self.autoscaler.desired_workers(signals, len(workers), time.monotonic())
+    def update(self, estimated_tokens: int, live_workers: int) -> dict:
+        signals = PoolSignals(estimated_tokens, self.service.outcomes.ttft_p95(time.time() - 60), live_workers)
+        self.last = decision = self.autoscaler.desired_workers(signals, live_workers, time.monotonic())
         self.service.metrics.desired_workers.labels(self.service.cfg.pool).set(decision.workers)
         return {"desired_workers": decision.workers, "reason": decision.reason}

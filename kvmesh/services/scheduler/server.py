@@ -9,6 +9,11 @@ router resubmits them). A resumable request (its client named it) whose Submit s
 held for detach_grace_s, running on, until a router attaches to it (`Scheduler/Attach`) for a
 reconnecting client; `kvmesh:request:<id>` in Redis says which scheduler holds it. Queue state,
 the autoscaling signal, health checks and the rollout controller run beside it (fleet.py).
+
+A pool may have several schedulers: each drives only the workers whose lease it holds
+(ownership.py), adopts workers left free by a dead one, and one of them, the pool's leader (a
+leader lease), runs the duties that must run once per pool: the rollout controller and the
+autoscaling signal. Without Redis it goes on serving with the workers it has.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ from kvmesh.services.config import CommonConfig, SchedulerServiceConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.kvcache.pages import prefix_hashes
 from kvmesh.services.registry import Registry, pool_of, queue_state_key
+from kvmesh.services.scheduler.ownership import WorkerLeases, may_adopt
 from kvmesh.services.scheduler.core import TokenEvent
-from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outcomes, RolloutController
+from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outcomes, PoolLeader, RolloutController
+from kvmesh.services.scheduler.overload import MIN_RETRY_S, estimated_wait_s, overload_retry_s
 from kvmesh.services.scheduler.placement import PlacementConfig, choose_worker
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
-from kvmesh.services.scheduler.worker_loop import WorkerLoop
+from kvmesh.services.scheduler.worker_loop import LogprobsTokenEvent, WorkerLoop
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_channel, mesh_identity, mesh_server_credentials
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -55,17 +62,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     model of the pool's workers (token ids within its vocabulary, prompt plus max_new_tokens
     within its context, sampling values within their limits), and request_id and version are
     bounded. Errors: INVALID_ARGUMENT naming the field and the limit (also when the request cannot
-    fit a worker's KV pool), UNAVAILABLE when no worker is ready, RESOURCE_EXHAUSTED when the
-    queue is full. A resubmitted request carries the tokens already streamed (output_token_ids)
-    and continues after them. Attach: see its docstring."""
+    fit a worker's KV pool), UNAVAILABLE when no worker is ready, RESOURCE_EXHAUSTED with a
+    `retry-after` hint when the pool is overloaded: the queue is full, the chosen worker could not
+    start the request within max_queue_wait_s (overload.py), or it waited that long all the same
+    without starting (then nothing was streamed). Load alone never ends a request with ERROR.
+    A resubmitted request carries the tokens already streamed (output_token_ids) and continues
+    after them. Attach: see its docstring."""
 
     def __init__(self, cfg: SchedulerServiceConfig, registry: Registry, metrics: SchedulerMetrics | None = None,
                  identity: MeshIdentity | None = None):
         self.cfg = cfg
         self.registry = registry
+        self.scheduler_id = ""  # its registry id (the advertised address, known once bound): holds its leases
+        self.leases = WorkerLeases(registry, "", cfg.worker_lease_s)
+        self.leader = PoolLeader(registry, cfg.pool, "")
+        self._free_since: dict[str, float] = {}  # worker id -> when it was first seen without an owner
         self.identity = identity  # mTLS to workers and kvcache when set
         self.kvcaches = RegisteredPeers(identity, "kvcache")
-        self.metrics = metrics or SchedulerMetrics()
+        self.metrics = metrics or SchedulerMetrics(model_name=cfg.pool)
         self.tracer = telemetry.tracer("kvmesh.scheduler")
         self.workers: dict[str, WorkerLoop] = {}
         self.placement = PlacementConfig(cfg.worker_choice, cfg.prefill_weight, cfg.load_weight,
@@ -83,6 +97,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def kvcache(self):
         return self._kvcache_stub
 
+    def identify(self, scheduler_id: str) -> None:
+        """Its registry id, before any task runs: the holder named in its worker and leader leases."""
+        self.scheduler_id = self.leases.holder = self.leader.holder = scheduler_id
+
     def pick_worker(self, hashes: list[bytes], version: str = "", exclude: WorkerLoop | None = None) -> WorkerLoop | None:
         """A worker for a prompt with these page hashes, of `version` ("" any), not draining."""
         alive = sorted((w for w in self.workers.values() if w.alive and not w.draining and w is not exclude
@@ -98,13 +116,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return sum(len(w.core.waiting) for w in self.workers.values() if w.alive)
 
     def retry_hint_s(self) -> float:
-        """About how long the queue ahead takes to drain: queued tokens over recent step throughput."""
-        tokens = sum(w.estimated_tokens(r) for w in self.workers.values() for r in w.core.waiting)
-        steps = sum(w.timing["steps"] for w in self.workers.values())
-        busy = sum(w.timing["forward_s"] + w.timing["wire_s"] for w in self.workers.values())
-        per_step = busy / steps if steps else 0.1
-        serving = sum(w.alive and not w.draining for w in self.workers.values())
-        return max(1.0, tokens / self.cfg.max_batched_tokens * per_step / max(1, serving))
+        """About how long the pool's queue takes to drain: its tokens over the serving workers' recent throughput."""
+        serving = [w for w in self.workers.values() if w.alive and not w.draining]
+        tokens = sum(w.estimated_tokens(r) for w in serving for r in w.core.waiting)
+        rates = [w.throughput.tokens_per_s for w in serving]
+        return max(MIN_RETRY_S, estimated_wait_s(tokens, sum(r for r in rates if r)))
+
+    async def _refuse_for_load(self, context, span, message: str, retry_s: float):
+        context.set_trailing_metadata(wire.retry_hint(retry_s))
+        await self._abort(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry in about {retry_s:.0f} s")
 
     async def Submit(self, request, context):
         span = self.tracer.start_span("kvmesh.schedule", kind=telemetry.SpanKind.SERVER,
@@ -129,11 +149,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def _admit(self, request, context, span) -> "HeldRequest":
         """Checks and queues a Submit's request on a worker; aborts the call with its status otherwise."""
         if (waiting := self.waiting_count()) >= self.cfg.max_queue_len:
-            hint = self.retry_hint_s()
-            context.set_trailing_metadata((("retry-after-ms", str(int(hint * 1000))),))
-            await self._abort(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"queue is full ({waiting} waiting, limit max_queue_len={self.cfg.max_queue_len}); "
-                              f"retry in about {hint:.0f} s")
+            await self._refuse_for_load(context, span, f"queue is full ({waiting} waiting, limit "
+                                        f"max_queue_len={self.cfg.max_queue_len})", self.retry_hint_s())
         if len(request.version) > MAX_VERSION_CHARS:  # before it is echoed in an UNAVAILABLE message
             await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT,
                               f"version: has {len(request.version)} characters, over the limit of {MAX_VERSION_CHARS}")
@@ -153,6 +170,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         worker = self.pick_worker(hashes, request.version)
         if worker is None:  # the one found above left meanwhile
             await self._no_worker(request, context, span)
+        wait_s = worker.estimated_wait_s()
+        if (retry_s := overload_retry_s(wait_s, self.cfg.max_queue_wait_s)) is not None:
+            await self._refuse_for_load(context, span, f"overloaded: a request queued now would wait about {wait_s:.0f} s "
+                                        f"to start, over what max_queue_wait_s={self.cfg.max_queue_wait_s:g} allows", retry_s)
         req.eos_token_ids = tuple(worker.info.eos_token_ids)
         if (earlier := self.held.get(req.request_id)) is not None:
             if earlier.finish is None:
@@ -215,6 +236,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 yield first
             while held.finish is None:
                 event: TokenEvent = await held.queue.get()
+                if event.refused:  # never started: the client may retry elsewhere or later
+                    held.finish, delivered = _event_to_proto(event, held.worker), True  # nothing to hold
+                    await self._refuse_for_load(context, span, event.message, self.retry_hint_s())
                 if held.resumable and not held.announced.is_set():
                     await self._announced(held)
                 worker = self.owner.get(rid, held.worker)
@@ -379,13 +403,45 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return True
 
     async def discover(self) -> None:
-        """Keeps `workers` in step with the registry: new workers get a loop."""
+        """Keeps `workers` in step with the registry: the workers this scheduler owns or adopts
+        get a loop. Without Redis the loops it has go on; rounds retry with backoff."""
         while True:
+            delay = 0.5
             try:
+                await self.registry.check_registration()
                 await self._refresh()
-            except Exception as e:  # Redis hiccup: try again next round
-                log.warning("worker discovery failed: %s", e)
-            await asyncio.sleep(0.5)
+            except Exception as e:  # Redis down (or a bug): serve with what we have, try again
+                delay = self.registry.outage.failed("worker discovery", e)
+            await asyncio.sleep(delay)
+
+    def lost_worker(self, worker_id: str) -> None:
+        """Another scheduler took the worker's lease: stop driving it (its requests move to our other workers)."""
+        loop = self.workers.get(worker_id)
+        if loop is not None and loop.alive:
+            loop.stop()
+
+    async def _adoptable(self, records: list[dict]) -> dict[str, tuple[str, int] | None]:
+        """Worker id -> its lease (None: free) for the pool's workers this scheduler may take now:
+        its own, and free ones `may_adopt` allows. None is never adopted until the registry has
+        settled after an outage (their owners may not have taken their leases again yet)."""
+        owners = await self.registry.worker_owners([r["id"] for r in records])
+        schedulers = [r for r in await self.registry.services("scheduler") if pool_of(r) == self.cfg.pool]
+        now, settled = time.monotonic(), self.registry.settled()
+        for worker_id in [w for w in self._free_since if w in owners or w not in {r["id"] for r in records}]:
+            del self._free_since[worker_id]
+        grace = self.cfg.worker_lease_s / 2
+        owned = len(self.leases.tokens)
+        takeable = {}
+        for record in records:
+            lease = owners.get(record["id"])
+            if lease is None:
+                free_for = now - self._free_since.setdefault(record["id"], now)
+                if settled and may_adopt(owned, len(records), len(schedulers), free_for, grace):
+                    takeable[record["id"]] = None
+                    owned += 1
+            elif lease[0] == self.scheduler_id:
+                takeable[record["id"]] = lease
+        return takeable
 
     async def _refresh(self) -> None:
         kv = await self.registry.services("kvcache")
@@ -394,20 +450,30 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if verified:
                 self._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(verified[0][1])
         records = [r for r in await self.registry.services("worker") if pool_of(r) == self.cfg.pool]
+        takeable = await self._adoptable(records)
         for record in records:
             current = self.workers.get(record["id"])
             if current is not None and current.info.epoch == record["epoch"] and (current.alive or current.draining):
                 continue  # known; a drained worker stays drained until it restarts (a new epoch)
+            if record["id"] not in takeable:
+                continue  # another scheduler's
             channel = mesh_channel(record["address"], self.identity)
             try:  # with mTLS, a worker without a certificate from the CA fails here and gets no loop
                 info = await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
             except grpc.aio.AioRpcError:
                 await channel.close()
                 continue
+            token = await self.leases.claim(record["id"], takeable[record["id"]], floor=info.lease_token)
+            if not token:  # another scheduler was quicker
+                await channel.close()
+                continue
             if current is not None and current.alive:
                 current.alive = False  # restarted under the same id: the old loop's stream will break
             self.health.forget(record["id"])
-            loop = WorkerLoop(record, info, self.cfg, self.kvcache, self.metrics, on_gone=self.move_requests)
+            if info.owner and info.owner != self.scheduler_id:
+                log.warning("adopting worker %s from scheduler %s (lease token %d)", record["id"], info.owner, token)
+            loop = WorkerLoop(record, info, self.cfg, self.kvcache, self.metrics, on_gone=self.move_requests,
+                              owner=self.scheduler_id, lease_token=token)
             if self._ramp_new_workers and self.cfg.admission_ramp_s:
                 loop.ramp = AdmissionRamp(time.monotonic(), self.cfg.max_num_seqs, self.cfg.admission_ramp_s)
             self.workers[record["id"]] = loop
@@ -416,23 +482,39 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._ramp_new_workers = self._ramp_new_workers or bool(self.workers)  # the first ones start at full speed
         registered = {r["id"] for r in records}
         for worker_id, loop in list(self.workers.items()):
-            if not loop.alive and worker_id not in registered and loop.task and loop.task.done():
-                del self.workers[worker_id]  # gone for good: forget its loop and its metric series
+            gone = worker_id not in registered or not self.leases.holds(worker_id)  # left, or another's now
+            if not loop.alive and gone and loop.task and loop.task.done():
+                del self.workers[worker_id]  # forget its loop and its metric series
                 self.metrics.forget(worker_id)
                 self.health.forget(worker_id)
+        if self.registry.settled():
+            for worker_id in [w for w in self.leases.tokens if w not in registered]:
+                self.leases.forget(worker_id)  # gone for good: let its lease expire
 
-    async def publish_queue_state(self, scheduler_id: str) -> None:
+    async def publish_queue_state(self) -> None:
         """Every half second, off the batching loop: ends requests waiting past max_queue_wait_s,
-        and writes the queue state to Redis: queue depth and estimated token queue for the pool
-        (the autoscaling signal), and per worker the waiting requests with their estimated
-        tokens (prompt still to compute plus output still to come), the running ones, and step timing."""
-        key = queue_state_key(scheduler_id)
+        and writes the queue state to Redis: queue depth and estimated token queue of its
+        workers, and per worker the waiting requests with their estimated tokens (prompt still to
+        compute plus output still to come), the running ones, and step timing. The pool's leader
+        adds the autoscaling signal, from the whole pool's queue. Without Redis: retries with backoff."""
+        key = queue_state_key(self.scheduler_id)
         while True:
+            delay = 0.5
+            state = self._queue_state()
             try:
-                await self.registry.redis.set(key, json.dumps(self._queue_state()), px=3000)
+                if self.leader.held:
+                    state["autoscale"] = self.autoscale.update(*await self._pool_queue(state))
+                await self.registry.redis.set(key, json.dumps(state), px=3000)
             except Exception as e:  # Redis down, or a bug: the next round tries again
-                log.warning("queue state: %s", e)
-            await asyncio.sleep(0.5)
+                delay = self.registry.outage.failed("publishing the queue state", e)
+            await asyncio.sleep(delay)
+
+    async def _pool_queue(self, own: dict) -> tuple[int, int]:
+        """(estimated queued tokens, live workers) of the whole pool: ours and the other schedulers'."""
+        states = [own, *(s for s in await self.registry.queue_states()
+                         if pool_of(s) == self.cfg.pool and s.get("scheduler") != self.scheduler_id)]
+        return (sum(s["estimated_tokens"] for s in states),
+                sum(w["alive"] for s in states for w in s["workers"].values()))
 
     def _queue_state(self) -> dict:
         workers = {}
@@ -450,13 +532,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 "estimated_tokens": sum(r["estimated_tokens"] for r in waiting),
                 "step_timing": w.timing,
             }
-        estimated = sum(w["estimated_tokens"] for w in workers.values())
         return {
             "pool": self.cfg.pool,
+            "scheduler": self.scheduler_id,
+            "leader": self.leader.held,
             "waiting": sum(len(w["waiting"]) for w in workers.values()),
             "running": sum(len(w["running"]) for w in workers.values()),
-            "estimated_tokens": estimated,
-            "autoscale": self.autoscale.update(estimated),
+            "estimated_tokens": sum(w["estimated_tokens"] for w in workers.values()),
             "workers": workers,
         }
 
@@ -509,6 +591,11 @@ def _event_to_proto(event: TokenEvent | None, worker: WorkerLoop) -> scheduler_p
     if event.token_id is not None:
         m.token_ids.append(event.token_id)
         m.logprobs.append(event.logprob)
+    if isinstance(event, LogprobsTokenEvent):
+        m.top_ids.extend(event.sampled.top_ids)
+        m.top_logprobs.extend(event.sampled.top_logprobs)
+        if event.sampled.prompt is not None:
+            m.prompt.CopyFrom(wire.prompt_logprobs_to_proto(event.sampled.prompt))
     if event.finish_reason is not None:
         req = event.request
         m.finish_reason = _REASONS[event.finish_reason]
@@ -529,9 +616,12 @@ async def serve(common: CommonConfig, cfg: SchedulerServiceConfig) -> None:
                            common.host, cfg.port, mesh_server_credentials(common))
     await server.start()
     address = advertised_address(common, server.port)
-    tasks = [asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state(address)),
+    service.identify(address)
+    registry.on_close.append(service.leases.release_all)  # a clean stop hands its workers over at once
+    tasks = [asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state()),
              asyncio.create_task(service.hold_requests(address)),
-             asyncio.create_task(RolloutController(service, address).run())]
+             asyncio.create_task(service.leases.keep(service.lost_worker)), asyncio.create_task(service.leader.run()),
+             asyncio.create_task(RolloutController(service).run())]
     if cfg.health_check_interval_s:
         tasks.append(asyncio.create_task(service.health.run()))
     print(f"scheduler for pool {cfg.pool!r} ready on {address}", flush=True)

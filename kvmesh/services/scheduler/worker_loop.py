@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import grpc
 
@@ -21,8 +22,10 @@ from kvmesh.services import wire
 from kvmesh.services.config import SchedulerServiceConfig
 from kvmesh.services.kvcache.replica import RecordingPagePool
 from kvmesh.services.scheduler.core import Scheduler, TokenEvent
+from kvmesh.services.scheduler.overload import Throughput, estimated_wait_s
 from kvmesh.services.scheduler.placement import WorkerView
 from kvmesh.services.scheduler.request import FinishReason, Request
+from kvmesh.step import SampledToken, StepResult
 from kvmesh.v1 import kvcache_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("kvmesh.scheduler")
@@ -32,12 +35,30 @@ class WorkerGone(Exception):
     pass
 
 
+@dataclass
+class LogprobsTokenEvent(TokenEvent):
+    """A token event that carries what the worker sent beside the token: its alternatives and,
+    with a first token, the prompt's logprobs (SamplingParams.logprobs, prompt_logprobs)."""
+
+    sampled: SampledToken | None = None
+
+
+def with_logprobs(events: list[TokenEvent], result: StepResult) -> list[TokenEvent]:
+    """`events`, those whose token came with alternatives or prompt logprobs carrying them."""
+    detailed = {t.seq_id: t for t in result.tokens if t.top_ids or t.prompt is not None}
+    if not detailed:
+        return events
+    return [LogprobsTokenEvent(**vars(e), sampled=detailed[e.request.request_id])
+            if e.token_id is not None and e.request.request_id in detailed else e for e in events]
+
+
 class WorkerLoop:
     """Continuous batching for one worker."""
 
     def __init__(self, record: dict, info: worker_pb2.WorkerInfo, cfg: SchedulerServiceConfig, kvcache,
-                 metrics: SchedulerMetrics, on_gone=None):
+                 metrics: SchedulerMetrics, on_gone=None, owner: str = "", lease_token: int = 0):
         self.worker_id = record["id"]
+        self.owner, self.lease_token = owner, lease_token  # our lease on the worker: sent with the stream and page ops
         self.address = record["address"]
         self.info = info
         self.version = info.version or "v1"
@@ -59,9 +80,9 @@ class WorkerLoop:
         # Cumulative seconds per part of a step: scheduling, the worker's forward pass, the rest
         # of the round trip (wire and (de)serialisation), and applying the result.
         self.timing = {"steps": 0, "schedule_s": 0.0, "forward_s": 0.0, "wire_s": 0.0, "update_s": 0.0}
-        self.metrics = metrics
-        self._step_hist, self._batch_hist, self._tokens_hist = (
-            h.labels(self.worker_id) for h in (metrics.step, metrics.batch_size, metrics.step_tokens))
+        self.throughput = Throughput()  # recent tokens per second of step: what the overload estimate divides by
+        self.metrics = metrics.worker(self.worker_id)
+        self._step_hist, self._batch_hist, self._tokens_hist = self.metrics.step, self.metrics.batch_size, self.metrics.step_tokens
         self._preemptions_seen = 0
 
     def view(self, hashes: list[bytes]) -> WorkerView:
@@ -74,6 +95,18 @@ class WorkerLoop:
         remaining = sum(self.estimated_tokens(r) for r in self.core.requests.values())
         stats = self.pool.stats()
         return WorkerView(self.worker_id, held, remaining / self.pool.page_size, stats.used + stats.cached)
+
+    def estimated_wait_s(self) -> float:
+        """Seconds until a request queued now would start: the waiting requests' tokens over recent
+        throughput, or the longest a waiting request has waited so far if more (a queue moving
+        slower than the estimate, the machine slowed down, shows there)."""
+        now = time.monotonic()
+        tokens, oldest = 0, now
+        for r in self.core.waiting:
+            tokens += self.estimated_tokens(r)
+            if r.first_scheduled_time is None:
+                oldest = min(oldest, r.arrival_time)
+        return max(estimated_wait_s(tokens, self.throughput.tokens_per_s), now - oldest)
 
     def estimated_tokens(self, r: Request) -> int:
         """Tokens still to compute (prompt not yet computed nor expected from the cache) or to generate."""
@@ -130,7 +163,8 @@ class WorkerLoop:
         self._page_ops.put_nowait(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True))
         shipper = asyncio.create_task(self._ship_page_ops())
         self.stub = worker_pb2_grpc.WorkerStub(channel)
-        call = self.stub.Step()
+        call = self.stub.Step(metadata=((wire.LEASE_TOKEN_METADATA, str(self.lease_token)),
+                                        (wire.SCHEDULER_METADATA, self.owner)))
         step = 0
         pending_read = None  # a read left open while idle: it completes only if the stream ends
         reason = "stopped"
@@ -164,11 +198,12 @@ class WorkerLoop:
                     self._fail([c.seq_id for c in plan.scheduled], f"worker {self.worker_id} step failed: {result.error}")
                     continue
                 step_result = wire.result_from_proto(result)
-                self._dispatch(self.core.update(plan, step_result))
+                self._dispatch(with_logprobs(self.core.update(plan, step_result), step_result))
                 for seq_id, why in step_result.failed.items():
                     self._fail([seq_id], f"worker {self.worker_id} failed the request" + (f": {why}" if why else ""))
                 self._queue_ops()
                 self._account(t0, t1, t2, result.forward_ms / 1000)
+                self.throughput.record(plan.num_tokens, time.perf_counter() - t0)
                 self._step_hist.observe(t2 - t1)
                 self._batch_hist.observe(len(plan.scheduled))
                 self._tokens_hist.observe(plan.num_tokens)
@@ -184,7 +219,8 @@ class WorkerLoop:
                 except Exception:
                     log.exception("moving the requests of worker %s failed", self.worker_id)
             self._fail(list(self.core.requests), f"worker {self.worker_id} failed ({reason}) and no other worker could take over")
-            await self._page_ops.put(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True))
+            await self._page_ops.put(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True,
+                                                              lease_token=self.lease_token))
             await self._page_ops.put(None)
             await shipper
 
@@ -202,18 +238,18 @@ class WorkerLoop:
         for new in plan.new:
             req = self.core.requests.get(new.seq_id)
             if req is not None and req.num_preemptions == 0:
-                m.prefix_queries.labels(self.worker_id).inc(len(req.prompt_token_ids))
-                m.prefix_hits.labels(self.worker_id).inc(req.num_cached_prompt_tokens)
+                m.prefix_queries.inc(len(req.prompt_token_ids))
+                m.prefix_hits.inc(req.num_cached_prompt_tokens)
         if self.core.num_preemptions != self._preemptions_seen:
-            m.preemptions.labels(self.worker_id).inc(self.core.num_preemptions - self._preemptions_seen)
+            m.preemptions.inc(self.core.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = self.core.num_preemptions
 
     def publish_metrics(self, waiting_tokens: int) -> None:
-        m, w = self.metrics, self.worker_id
-        m.running.labels(w).set(len(self.core.running))
-        m.waiting.labels(w).set(len(self.core.waiting))
-        m.token_queue.labels(w).set(waiting_tokens)
-        m.orphaned_pages.labels(w).set(self.pages_held_by_finished())
+        m = self.metrics
+        m.running.set(len(self.core.running))
+        m.waiting.set(len(self.core.waiting))
+        m.token_queue.set(waiting_tokens)
+        m.orphaned_pages.set(self.pages_held_by_finished())
 
     def pages_held_by_finished(self) -> int:
         """Pages in tables of sequences the core no longer tracks (neither requests nor a padded
@@ -225,6 +261,7 @@ class WorkerLoop:
         return len(held)
 
     def dispatch_expired(self, max_wait_s: float) -> None:
+        """Refuses the requests that waited past `max_wait_s` without starting (their streams end RESOURCE_EXHAUSTED)."""
         self._dispatch(self.core.expire_waiting(max_wait_s))
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
@@ -246,7 +283,7 @@ class WorkerLoop:
         if ops:
             self._page_ops.put_nowait(kvcache_pb2.ApplyRequest(
                 worker_id=self.worker_id, epoch=self.info.epoch, num_pages=self.info.num_pages,
-                page_size=self.info.page_size, ops=ops))
+                page_size=self.info.page_size, ops=ops, lease_token=self.lease_token))
 
     async def _ship_page_ops(self) -> None:
         """Sends page operations to kvcache in order, off the batching loop's path."""

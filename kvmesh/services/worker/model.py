@@ -40,6 +40,7 @@ class BatchInput:
     slots: torch.Tensor  # [T] long
     seqs: list[SequenceSlice]
     logit_rows: torch.Tensor  # [S] long
+    kv_rows: torch.Tensor | None = None  # rows whose K and V are written (None: all); others are in the cache already
 
 
 def _tensor_names(cfg: ModelConfig) -> list[str]:
@@ -61,6 +62,8 @@ def _tensor_names(cfg: ModelConfig) -> list[str]:
 class CausalLM:
     """A loaded checkpoint. `forward(batch, k_cache, v_cache)` returns float32 logits for
     `batch.logit_rows`, after writing the batch's K and V into the cache."""
+
+    folder: Path | None = None  # the checkpoint folder it was loaded from (its tokenizer.json serves grammars)
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
         self.cfg = cfg
@@ -86,7 +89,9 @@ class CausalLM:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
         weights = load_weights(model_dir, _tensor_names(cfg), DTYPES[dtype])
-        return cls(cfg, weights, DTYPES[dtype])
+        model = cls(cfg, weights, DTYPES[dtype])
+        model.folder = Path(model_dir)
+        return model
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -124,6 +129,8 @@ class CausalLM:
         sin = self.sin[batch.positions].unsqueeze(1)
         x = self.embed[batch.token_ids]
         attention = AttentionPlan(batch.seqs)
+        kv_rows = batch.kv_rows
+        kv_slots = batch.slots if kv_rows is None else batch.slots[kv_rows]
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h)
@@ -132,7 +139,10 @@ class CausalLM:
             v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
-            write_kv(k_cache[i], v_cache[i], batch.slots, k, v)
+            if kv_rows is None:
+                write_kv(k_cache[i], v_cache[i], kv_slots, k, v)
+            else:
+                write_kv(k_cache[i], v_cache[i], kv_slots, k[kv_rows], v[kv_rows])
             attn = attention(q, k_cache[i], v_cache[i], self.scale)
             x = x + layer.o(attn.reshape(t, q_size))
             h = self._rms_norm(x, layer.post_attention_norm)

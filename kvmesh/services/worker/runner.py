@@ -5,6 +5,16 @@ forward pass over the flattened batch (decode tokens and prefill chunks together
 every sequence the step brings level with its known tokens. No I/O: the gRPC adapter and the
 in-process engine both call it.
 
+Logprobs: a sequence asking for SamplingParams.logprobs = k gets the k likeliest tokens with each
+sampled one. One asking for prompt_logprobs gets its prompt's logprobs with its first token: logits
+are taken at every prompt position as its prefill chunks run, and the positions a prefix-cache hit
+skipped are run again in its first chunk (their KV is read, not rewritten, so sequences sharing
+those pages are untouched).
+
+A sequence with structured output samples under its grammar (kvmesh.grammar), started when the
+sequence is added and replayed over the output it already has, so a recomputed sequence continues
+where it was. The model's grammars (its tokenizer.json) are built on the first such sequence.
+
 It trusts no plan: a new sequence with a token outside the vocabulary, a page outside the pool or
 sampling values outside their limits, a chunk it cannot run, or a row the sampler cannot draw
 fails that sequence alone (`StepResult.failed`, with the reason); the step goes on for the rest.
@@ -12,16 +22,27 @@ fails that sequence alone (`StepResult.failed`, with the reason); the step goes 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from kvmesh.grammar import Grammars
 from kvmesh.kernels.attention import SequenceSlice, causal_mask
-from kvmesh.params import InvalidRequest, validate_sampling
+from kvmesh.params import InvalidRequest, validate_sampling, validate_vocabulary
 from kvmesh.services.worker.model import BatchInput, CausalLM
-from kvmesh.services.worker.sampling import SamplingRow, sample
-from kvmesh.step import NewSequence, SampledToken, ScheduledChunk, StepPlan, StepResult
+from kvmesh.services.worker.sampling import SamplingRow, sample, top_logprobs
+from kvmesh.step import NewSequence, PromptLogprobs, SampledToken, ScheduledChunk, StepPlan, StepResult
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory the OS hands out as it is first written (calloc of a large
+    block maps fresh zero pages), so a large KV pool costs the pages sequences use, not a memset of
+    the whole pool at start (torch.zeros of 4 GiB takes seconds)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class KVPool:
@@ -32,8 +53,8 @@ class KVPool:
         shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
         self.num_pages = num_pages
         self.page_size = page_size
-        self.k = torch.zeros(shape, dtype=model.dtype)
-        self.v = torch.zeros(shape, dtype=model.dtype)
+        self.k = lazily_zeroed(shape, model.dtype)
+        self.v = lazily_zeroed(shape, model.dtype)
 
     @staticmethod
     def pages_for_budget(model: CausalLM, memory_bytes: int, page_size: int) -> int:
@@ -54,6 +75,10 @@ class SequenceState:
     num_computed_tokens: int
     page_size: int
     contiguous: bool = False  # page_ids is one run of consecutive pages: attention reads it in place
+    # prompt_logprobs: what is collected so far (sent with the first token), and the prompt
+    # positions a prefix hit skipped, run again (without writing their KV) in the first chunk.
+    prompt_logprobs: PromptLogprobs | None = None
+    rerun_prefix: int = 0
     # The cache slot of every position the pages hold, grown by doubling as pages arrive, so a
     # step reads a sequence's slots as a view instead of expanding its page table again.
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
@@ -85,19 +110,41 @@ class ModelRunner:
         self.pool = KVPool(model, num_pages, page_size)
         self.seqs: dict[str, SequenceState] = {}
 
-    def _add(self, new: NewSequence) -> None:
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The model's grammars; ValueError when its folder (or tokenizer.json) is unknown."""
+        cfg = self.model.cfg
+        try:
+            return Grammars.from_folder(self.model.folder, cfg.vocab_size, list(cfg.eos_token_ids))
+        except (TypeError, OSError) as e:
+            raise ValueError(f"structured_output: the model's tokenizer.json cannot be read ({e})") from None
+
+    def _add(self, new: NewSequence) -> str | None:
+        """Adds the sequence; why not, when its grammar cannot start."""
         prompt = new.token_ids[: new.num_prompt_tokens]
         output = list(new.token_ids[new.num_prompt_tokens :])
+        row = SamplingRow(new.sampling, prompt, output)
+        if new.sampling.structured_output is not None:
+            try:
+                row.grammar = self.grammars.start(new.sampling.structured_output, output)
+            except ValueError as e:
+                return str(e)
         self.seqs[new.seq_id] = SequenceState(
             seq_id=new.seq_id,
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
-            sampling_row=SamplingRow(new.sampling, prompt, output),
+            sampling_row=row,
             page_ids=[],
             num_computed_tokens=new.num_computed_tokens,
             page_size=self.page_size,
         )
-        self.seqs[new.seq_id].extend(new.page_ids)
+        state = self.seqs[new.seq_id]
+        state.extend(new.page_ids)
+        # Collected only before the first token: a recomputed sequence has sent them already.
+        if new.sampling.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
+            state.prompt_logprobs = PromptLogprobs([], [], [])
+            state.rerun_prefix = new.num_computed_tokens
+        return None
 
     def _new_sequence_problem(self, new: NewSequence) -> str | None:
         """Why this worker cannot take the new sequence, or None."""
@@ -117,6 +164,7 @@ class ModelRunner:
             return f"page_ids: page {page} is outside the pool [0, {self.pool.num_pages})"
         try:
             validate_sampling(new.sampling)
+            validate_vocabulary(new.sampling, vocab)
         except InvalidRequest as e:
             return f"sampling: {e}"
         return None
@@ -156,35 +204,69 @@ class ModelRunner:
             self.seqs.pop(seq_id, None)
         return [c for c in scheduled if c.seq_id not in failed]
 
-    def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[BatchInput, list[SequenceState]]:
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[BatchInput, list[SequenceState], list[tuple[SequenceState, int]]]:
+        """The flattened batch, the sequences it samples, and the sequences collecting prompt
+        logprobs with how many prompt positions' logits each gets (their rows follow the sampled
+        ones in `logit_rows`)."""
         tokens, positions, slots, seqs, logit_rows, sampled = [], [], [], [], [], []
+        prompt_rows, prompt_states, skip_kv = [], [], []
         row, ps = 0, self.page_size
         window = self.model.cfg.sliding_window
         for chunk in chunks:
             state = self.seqs[chunk.seq_id]
             state.extend(chunk.new_page_ids)
-            start, end = state.num_computed_tokens, state.num_computed_tokens + chunk.num_tokens
+            end = state.num_computed_tokens + chunk.num_tokens
+            start, state.rerun_prefix = state.num_computed_tokens - state.rerun_prefix, 0
+            if start < state.num_computed_tokens:  # a prefix hit run again: its KV is in the cache already
+                skip_kv.append((row, row + state.num_computed_tokens - start))
             ctx_slots = state.slots[:end]
             tokens.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             pages = state.page_ids  # the new tokens' slots in plain ints: no tensor op per sequence
             slots.extend(pages[pos // ps] * ps + pos % ps for pos in range(start, end))
             first_slot = state.page_ids[0] * self.page_size if state.contiguous else None
-            seqs.append(SequenceSlice(row, row + chunk.num_tokens, ctx_slots, causal_mask(chunk.num_tokens, end, window),
+            seqs.append(SequenceSlice(row, row + end - start, ctx_slots, causal_mask(end - start, end, window),
                                       first_slot=first_slot))
-            row += chunk.num_tokens
+            if state.prompt_logprobs is not None:  # logits at prompt positions p score token p + 1
+                scored = range(start, min(end, state.num_prompt_tokens - 1))
+                prompt_rows.extend(row + p - start for p in scored)
+                prompt_states.append((state, len(scored)))
+            row += end - start
             state.num_computed_tokens = end
             if end == len(state.token_ids):
                 logit_rows.append(row - 1)
                 sampled.append(state)
+        kv_rows = None
+        if skip_kv:
+            keep = torch.ones(row, dtype=torch.bool)
+            for a, b in skip_kv:
+                keep[a:b] = False
+            kv_rows = keep.nonzero().squeeze(1)
         batch = BatchInput(
             token_ids=torch.tensor(tokens, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
             slots=torch.tensor(slots, dtype=torch.long),
             seqs=seqs,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+            logit_rows=torch.tensor(logit_rows + prompt_rows, dtype=torch.long),
+            kv_rows=kv_rows,
         )
-        return batch, sampled
+        return batch, sampled, prompt_states
+
+    @staticmethod
+    def _collect_prompt_logprobs(logprobs: torch.Tensor, prompt_states: list[tuple[SequenceState, int]]) -> None:
+        """Appends each sequence's share of `logprobs` (its prompt positions' rows, in order) to what it collected."""
+        at = 0
+        for state, n in prompt_states:
+            collected = state.prompt_logprobs
+            first = len(collected.logprobs) + 1  # the prompt token the first row scores
+            rows = logprobs[at : at + n]
+            at += n
+            next_ids = torch.tensor(state.token_ids[first : first + n], dtype=torch.long)
+            collected.logprobs.extend(rows.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist())
+            ids, values = top_logprobs(rows, state.sampling_row.params.prompt_logprobs)
+            for i, v in zip(ids, values):
+                collected.top_ids.extend(i)
+                collected.top_logprobs.extend(v)
 
     def step(self, plan: StepPlan) -> StepResult:
         """Applies the plan's deltas, runs the forward pass and samples; returns the new tokens, and
@@ -193,24 +275,39 @@ class ModelRunner:
         for seq_id in plan.dropped:
             self.seqs.pop(seq_id, None)
         for new in plan.new:
-            if (problem := self._new_sequence_problem(new)) is None:
-                self._add(new)
-            else:
+            if (problem := self._new_sequence_problem(new) or self._add(new)) is not None:
                 failed[new.seq_id] = problem
         chunks = self._runnable(plan.scheduled, failed)
         if not chunks:
             return StepResult(tokens=[], failed=failed)
         started = time.perf_counter()
-        batch, sampled = self._build_batch(chunks)
+        batch, sampled, prompt_states = self._build_batch(chunks)
         logits = self.model.forward(batch, self.pool.k, self.pool.v)
-        ids, logprobs, failures = sample(logits, [s.sampling_row for s in sampled]) if sampled else ([], [], {})
+        raw = torch.log_softmax(logits, dim=-1)
+        if prompt_states:
+            self._collect_prompt_logprobs(raw[len(sampled):], prompt_states)
+        logits, raw = logits[: len(sampled)], raw[: len(sampled)]
+        ids, logprobs, failures = sample(logits, [s.sampling_row for s in sampled], raw) if sampled else ([], [], {})
         out = []
         for i, (state, token_id, logprob) in enumerate(zip(sampled, ids, logprobs)):
             if i in failures:
                 failed[state.seq_id] = failures[i]
                 del self.seqs[state.seq_id]
                 continue
+            if (refused := state.sampling_row.accept(token_id)) is not None:
+                failed[state.seq_id] = refused
+                del self.seqs[state.seq_id]
+                continue
             state.token_ids.append(token_id)
-            state.sampling_row.output_ids.append(token_id)
-            out.append(SampledToken(state.seq_id, token_id, logprob))
+            out.append(self._sampled_token(state, token_id, logprob, raw[i]))
         return StepResult(tokens=out, forward_s=time.perf_counter() - started, failed=failed)
+
+    @staticmethod
+    def _sampled_token(state: SequenceState, token_id: int, logprob: float, raw: torch.Tensor) -> SampledToken:
+        """The token as sent: with its alternatives and the prompt's logprobs when the sequence asked."""
+        k, prompt = state.sampling_row.params.logprobs, state.prompt_logprobs
+        if not k and prompt is None:
+            return SampledToken(state.seq_id, token_id, logprob)
+        state.prompt_logprobs = None  # sent once, with the first token
+        ids, values = top_logprobs(raw.unsqueeze(0), k)
+        return SampledToken(state.seq_id, token_id, logprob, tuple(ids[0]), tuple(values[0]), prompt)

@@ -1,20 +1,27 @@
 """Choosing each sequence's next token from its logits.
 
-Order, as transformers applies them: repetition penalty, presence/frequency penalties,
+Order: logit bias (OpenAI's `logit_bias`, added first), then as transformers applies them: repetition penalty, presence/frequency penalties,
 temperature, top-k, top-p, then a draw. The draw for output position n of a seeded request uses
 a generator seeded from (seed, n) alone, so the same request gives the same tokens alone, inside
 any batch, after preemption and on another worker. The reported logprob is the chosen token's
 log-probability under the model's raw distribution (before any processing), as vLLM reports it.
+`top_logprobs` gives the likeliest tokens of a row under that same raw distribution.
 A row that cannot be sampled (its logits or probabilities are not finite) fails alone; the others are drawn.
+A row with a grammar (structured output) draws only among the tokens the grammar allows next: its
+logits are masked (-inf) before the processing above, which cannot lift a forbidden token back
+(-inf plus a bias is still -inf), and the grammar advances with the token accepted. The reported
+logprobs stay the raw distribution's, unmasked.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kvmesh import grammar
+from kvmesh.grammar import GrammarState
 from kvmesh.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -35,6 +42,29 @@ class SamplingRow:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
+    grammar: GrammarState | None = None  # structured output: where the sequence stands in its grammar
+    # logit_bias as tensors, made once per sequence rather than once per draw.
+    bias_ids: torch.Tensor | None = field(default=None, init=False, repr=False)
+    bias_values: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.params.logit_bias:
+            ids, values = zip(*self.params.logit_bias)
+            self.bias_ids = torch.tensor(ids, dtype=torch.long)
+            self.bias_values = torch.tensor(values, dtype=torch.float32)
+
+    @property
+    def processed(self) -> bool:
+        """Whether its logits change before the draw beyond the grammar's mask (otherwise greedy is
+        a plain argmax of the masked logits)."""
+        return self.params.has_penalties or self.bias_ids is not None
+
+    def accept(self, token_id: int) -> str | None:
+        """Records the sampled token and advances the grammar; why not, when the grammar refuses it."""
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            return f"structured_output: the grammar does not allow token {token_id}"
+        self.output_ids.append(token_id)
+        return None
 
 
 def _apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -61,12 +91,19 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float], dict[int, str]]:
-    """logits: `[len(rows), vocab]` float32. Returns the chosen ids, their raw logprobs, and the
-    rows that could not be sampled (row index -> why); a failed row's id and logprob mean nothing."""
-    logprobs = torch.log_softmax(logits, dim=-1)
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           logprobs: torch.Tensor | None = None) -> tuple[list[int], list[float], dict[int, str]]:
+    """logits: `[len(rows), vocab]` float32; `logprobs` their log_softmax when the caller has it.
+    Returns the chosen ids, their raw logprobs, and the rows that could not be sampled
+    (row index -> why); a failed row's id and logprob mean nothing."""
+    if logprobs is None:
+        logprobs = torch.log_softmax(logits, dim=-1)
     failures: dict[int, str] = {}
-    if all(r.params.greedy and not r.params.has_penalties for r in rows):
+    if any(r.grammar is not None for r in rows):
+        # The grammar's mask is -inf on every token it forbids, so no logit_bias or penalty added
+        # after it (in _sample_row) makes one of them drawable again.
+        logits = _constrained(logits, rows, failures)
+    if all(r.params.greedy and not r.processed for r in rows):
         chosen = logits.argmax(dim=-1)
     else:
         ids = []
@@ -86,10 +123,35 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     return chosen.tolist(), picked, failures
 
 
+def _constrained(logits: torch.Tensor, rows: list[SamplingRow], failures: dict[int, str]) -> torch.Tensor:
+    """A copy of `logits` where each grammar row keeps only the tokens its grammar allows next; a row
+    whose grammar fails, or allows nothing, goes into `failures`."""
+    logits = logits.clone()
+    bitmask = grammar.allocate_bitmask(len(rows), logits.shape[1])
+    constrained = []
+    for i, r in enumerate(rows):
+        if r.grammar is None:
+            continue
+        try:
+            r.grammar.fill(bitmask, i)
+            constrained.append(i)
+        except Exception as e:  # this row's grammar, not the batch
+            failures[i] = f"structured_output: {e}"
+    if constrained:
+        grammar.apply_bitmask(logits, bitmask, constrained)
+        allowed = torch.isfinite(logits[constrained]).any(dim=-1).tolist()
+        for i, ok in zip(constrained, allowed):
+            if not ok:
+                failures.setdefault(i, "structured_output: the grammar allows no further token")
+    return logits
+
+
 def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
     """One row's draw; ValueError when its probabilities are not finite (checked here, not left to
     torch.multinomial, which on CUDA may fail the whole device instead of raising)."""
     p = row.params
+    if row.bias_ids is not None:
+        logits.index_add_(0, row.bias_ids, row.bias_values)
     if p.has_penalties:
         logits = _apply_penalties(logits, p, row.prompt_ids, row.output_ids)
     if p.greedy:
@@ -101,3 +163,11 @@ def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
                          f"repetition_penalty={p.repetition_penalty})")
     generator = torch.Generator().manual_seed(position_seed(p.seed or 0, len(row.output_ids)))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The `k` likeliest tokens of each row of `logprobs` (`[rows, vocab]`), best first: ids and logprobs."""
+    if k <= 0 or logprobs.shape[0] == 0:
+        return [[] for _ in range(logprobs.shape[0])], [[] for _ in range(logprobs.shape[0])]
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=-1)
+    return ids.tolist(), values.tolist()

@@ -2,7 +2,10 @@
 
 Startup: the server listens at once (health NOT_SERVING), loads the weights, runs a warm-up
 step, then turns SERVING and registers in Redis with a fresh epoch. A new Step stream means a
-new owner (a restarted scheduler): the worker forgets every sequence of the previous stream.
+new owner (a scheduler that adopted it, or a restarted one): the worker forgets every sequence
+of the previous stream, whose next read fails. Owners are fenced: a stream carries its
+scheduler's lease token (`kvmesh-lease-token` metadata), and a token below the highest this
+worker has accepted is a scheduler that lost its lease, refused with FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from kvmesh.services.config import CommonConfig, WorkerConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry
 from kvmesh.services.tls import mesh_server_credentials
+from kvmesh.services.wire import LEASE_TOKEN_METADATA, SCHEDULER_METADATA
 from kvmesh.services.worker.model import CausalLM
 from kvmesh.services.worker.runner import KVPool, ModelRunner
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan
@@ -97,10 +101,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._compute = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self.info = worker_pb2.WorkerInfo()
         self._stream_owner = 0
+        self.lease_token = 0  # the highest scheduler lease token accepted (fencing)
+        self.owner = ""
 
     async def Step(self, request_iterator, context):
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading its model")
+        metadata = dict(context.invocation_metadata() or ())
+        token_text, scheduler = metadata.get(LEASE_TOKEN_METADATA, "0"), metadata.get(SCHEDULER_METADATA, "")
+        if not token_text.isdigit() or len(token_text) > 20:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{LEASE_TOKEN_METADATA}: must be a whole number, got {token_text[:32]!r}")
+        if int(token_text) < self.lease_token:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"lease token {token_text} is stale: this worker is owned with token {self.lease_token} "
+                                f"(by {self.owner or 'another scheduler'})")
+        self.lease_token, self.owner = int(token_text), scheduler[:256]
         self._stream_owner += 1
         owner = self._stream_owner
         self.runner.seqs.clear()  # a new scheduler stream owns this worker from now on
@@ -139,6 +154,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading its model")
         info = worker_pb2.WorkerInfo()
         info.CopyFrom(self.info)
+        info.lease_token, info.owner = self.lease_token, self.owner
         info.memory_used_bytes, info.memory_total_bytes = self.memory.read()
         return info
 
@@ -308,8 +324,9 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     print(f"worker {worker_id} ready on {address} ({runner.pool.num_pages} KV pages, epoch {epoch}, "
           f"cold start {cold_start:.1f}s)", flush=True)
     metrics_address = advertised_address(common, metrics_port) if metrics_port else ""
+    registry.on_restore.append(lambda: registry.keep_epoch(worker_id, epoch))
     watcher = asyncio.create_task(watch_drain(registry, worker_id, server))
     await serve_until_stopped(server, registry, "worker", worker_id, tasks=(watcher,), record=
-                              {"address": address, "epoch": epoch, "num_pages": runner.pool.num_pages,
+                              {"address": address, "epoch": epoch, "num_pages": runner.pool.num_pages, "page_size": runner.page_size,
                                "metrics": metrics_address, "pool": cfg.pool, "version": cfg.version,
                                "model": str(model_dir or "")})
