@@ -297,7 +297,11 @@ def test_a_request_never_resumed_is_cancelled_after_the_grace_period_and_frees_i
             left = time.monotonic()
             # Held: it keeps running, holding its pages, until the grace period ends.
             running_midway = await queue_state(mesh.redis_url, lambda n: n == 1, timeout=1)
-            in_use_midway = sum(w.used_pages for w in await page_stats(mesh.kvcache_addr))
+            # The scheduler ships its page operations to kvcache after each step: wait for them (bounded, within the grace).
+            deadline = time.monotonic() + GRACE_S / 2
+            while (in_use_midway := sum(w.used_pages for w in await page_stats(mesh.kvcache_addr))) == 0 \
+                    and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
             await queue_state(mesh.redis_url, lambda n: n == 0, timeout=GRACE_S + RECOVER_S)
             cancelled_after = time.monotonic() - left
             idle = await wait_idle(mesh.kvcache_addr, timeout=RECOVER_S)
