@@ -201,15 +201,17 @@ def _generate_request(cfg: BenchConfig, req: BenchRequest):
 
 
 async def send(stub, cfg: BenchConfig, req: BenchRequest) -> Outcome:
-    """Streams one request to the end; a gRPC error becomes the outcome's error, never an exception."""
+    """Streams one request to the end, reconnecting by request_id when the stream breaks
+    (kvmesh.client); a gRPC error becomes the outcome's error, never an exception."""
     import grpc
 
+    from kvmesh import client
     from kvmesh.v1 import generation_pb2 as gen
 
     out, request = Outcome(prompt_tokens=len(req.prompt_token_ids)), _generate_request(cfg, req)
     start, finish = time.perf_counter(), None
     try:
-        async for response in stub.Generate(request, timeout=cfg.timeout_s):
+        async for response in client.generate([stub], request, timeout=cfg.timeout_s):
             if response.tokens:
                 out.token_times.append(time.perf_counter() - start)
                 out.output_tokens += len(response.tokens)

@@ -187,18 +187,18 @@ def cmd_up(args: argparse.Namespace) -> int:
               schedulers=args.schedulers)
 
 
-def client_channel(args: argparse.Namespace):
-    """A CLI client's (synchronous) channel to `args.addr`: TLS to the router's public port with
+def client_channel(args: argparse.Namespace, aio: bool = False):
+    """A CLI client's channel (grpc.aio with `aio`) to `args.addr`: TLS to the router's public port with
     `--tls-ca` (or `--tls`: gRPC's bundled roots), else mTLS with the mesh identity (for an internal
     service) when `--mesh-*` or KVMESH_MESH_* name one, else plaintext. ValueError for bad settings."""
     from kvmesh.services import config as c
     from kvmesh.services.tls import channel, mesh_channel, mesh_identity, public_client_credentials
 
     if args.tls_ca or args.tls:
-        return channel(args.addr, public_client_credentials(args.tls_ca), aio=False)
+        return channel(args.addr, public_client_credentials(args.tls_ca), aio=aio)
     if getattr(args, "plaintext", False) or not hasattr(args, "mesh_ca"):
-        return channel(args.addr, aio=False)
-    return mesh_channel(args.addr, mesh_identity(c.from_args(c.MeshTLSConfig, args)), aio=False)
+        return channel(args.addr, aio=aio)
+    return mesh_channel(args.addr, mesh_identity(c.from_args(c.MeshTLSConfig, args)), aio=aio)
 
 
 def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
@@ -250,29 +250,43 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Streams one completion; when the stream breaks (the router died), reconnects by request_id
+    and goes on where it stopped (kvmesh.client)."""
+    import asyncio
+
     import grpc
 
+    from kvmesh import client
     from kvmesh.v1 import generation_pb2 as gen
     from kvmesh.v1 import generation_pb2_grpc
 
     request = gen.GenerateRequest(model=args.model, prompt=args.prompt,
                                   sampling=gen.SamplingParams(temperature=args.temperature),
                                   stopping=gen.StoppingParams(max_new_tokens=args.max_new_tokens, stop=args.stop))
-    with client_channel(args) as channel:
-        try:
-            for response in generation_pb2_grpc.GenerationStub(channel).Generate(request):
-                for token in response.tokens:
-                    print(token.text, end="", flush=True)
-                if response.HasField("finish"):
-                    f = response.finish
-                    print(f"\n[{gen.FinishReason.Name(f.reason).lower()}] prompt {f.prompt_tokens} tokens "
-                          f"({f.cached_prompt_tokens} cached), completion {f.completion_tokens} tokens; "
-                          f"queue {f.queue_ms:.0f} ms, first token {f.ttft_ms:.0f} ms, total {f.total_ms:.0f} ms",
-                          file=sys.stderr)
-        except grpc.RpcError as e:
-            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    return 0
+
+    def reconnecting(e: grpc.aio.AioRpcError) -> None:
+        print(f"\n[stream broke: {e.code().name}; resuming]", file=sys.stderr)
+
+    async def run() -> int:
+        async with client_channel(args, aio=True) as channel:
+            try:
+                async for response in client.generate([generation_pb2_grpc.GenerationStub(channel)], request,
+                                                      on_reconnect=reconnecting):
+                    for token in response.tokens:
+                        print(token.text, end="", flush=True)
+                    if response.HasField("finish"):
+                        f = response.finish
+                        resumed = f", resumed {f.resumes} times" if f.resumes else ""
+                        print(f"\n[{gen.FinishReason.Name(f.reason).lower()}] prompt {f.prompt_tokens} tokens "
+                              f"({f.cached_prompt_tokens} cached), completion {f.completion_tokens} tokens; "
+                              f"queue {f.queue_ms:.0f} ms, first token {f.ttft_ms:.0f} ms, total {f.total_ms:.0f} ms"
+                              f"{resumed}", file=sys.stderr)
+            except grpc.aio.AioRpcError as e:
+                print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+                return 1
+        return 0
+
+    return asyncio.run(run())
 
 
 def build_parser() -> argparse.ArgumentParser:

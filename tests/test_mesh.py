@@ -172,8 +172,9 @@ def test_a_killed_workers_streams_continue_exactly_on_another_worker(model_dir):
         mesh.close()
 
 
-def test_a_killed_worker_with_no_other_worker_ends_its_streams_with_an_error(model_dir):
-    mesh = Mesh(model_dir, workers=1)
+def test_a_killed_worker_with_no_other_worker_fails_its_streams_once_nothing_takes_them_over(model_dir):
+    # The router resubmits them for resume_timeout_s (here 2 s); the worker never comes back.
+    mesh = Mesh(model_dir, workers=1, extra_router=["--resume-timeout-s", "2"])
     try:
         async def run():
             async with grpc.aio.insecure_channel(mesh.addr) as ch:
@@ -182,15 +183,17 @@ def test_a_killed_worker_with_no_other_worker_ends_its_streams_with_an_error(mod
                 for call in calls:
                     await call.read()
                 os.kill(mesh.child("worker-0").process.pid, signal.SIGKILL)
-                finishes = []
+                errors = []
                 for call in calls:
-                    while (response := await call.read()) is not grpc.aio.EOF and not response.HasField("finish"):
-                        pass
-                    finishes.append(response.finish)
-                return finishes
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        while (response := await call.read()) is not grpc.aio.EOF and not response.HasField("finish"):
+                            pass
+                    errors.append(err.value)
+                return errors
 
-        finishes = asyncio.run(asyncio.wait_for(run(), 60))
-        assert all(f.reason == gen.ERROR and "worker-0" in f.message for f in finishes), finishes
+        errors = asyncio.run(asyncio.wait_for(run(), 60))
+        assert all(e.code() == grpc.StatusCode.UNAVAILABLE and "worker-0" in e.details()
+                   and "resume_timeout_s" in e.details() for e in errors), errors
     finally:
         mesh.close()
 

@@ -185,6 +185,7 @@ class SchedulerServiceConfig:
     load_weight: float = dataclasses.field(default=0.05, metadata=_help("kv choice: cost per page of queued work"))
     balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("kv choice: allowed load above the least loaded worker, as a fraction of its load"))
     balance_slack_pages: float = dataclasses.field(default=32.0, metadata=_help("kv choice: allowed load above the least loaded worker, in pages, at least"))
+    detach_grace_s: float = dataclasses.field(default=30.0, metadata=_help("a request whose client named its request_id runs on this long after its stream drops (router or client gone), its tokens kept, for the client to resume it (GenerateRequest.resume_from); then it is cancelled and its pages freed"))
 
     def __post_init__(self):
         # The cores check their own settings; building them here reports a bad one at start (and under --check).
@@ -202,6 +203,8 @@ class SchedulerServiceConfig:
             raise ValueError(f"memory_limit_fraction must be in (0, 1], got {self.memory_limit_fraction}")
         if self.admission_ramp_s < 0:
             raise ValueError(f"admission_ramp_s must be >= 0, got {self.admission_ramp_s}")
+        if self.detach_grace_s < 0:
+            raise ValueError(f"detach_grace_s must be >= 0, got {self.detach_grace_s}")
         if not 0.3 <= self.worker_lease_s <= 60:
             raise ValueError(f"worker_lease_s must be in [0.3, 60], got {self.worker_lease_s}")
         self.autoscale_policy()
@@ -255,6 +258,7 @@ class RouterConfig:
     tls_key: str = dataclasses.field(default="", metadata=_help("TLS on the public ports: the private key of --tls-cert (PEM)"))
     max_request_bytes: int = dataclasses.field(default=8 << 20, metadata=_help("largest request body (HTTP, then 413) or message (gRPC, then RESOURCE_EXHAUSTED)"))
     max_prompt_chars: int = dataclasses.field(default=1 << 20, metadata=_help("longest prompt text, all chat messages together, in characters; checked before tokenizing (400 above it)"))
+    resume_timeout_s: float = dataclasses.field(default=30.0, metadata=_help("a request whose scheduler or worker died is resubmitted (with the tokens already streamed) to a live scheduler, retried with backoff for this long, then UNAVAILABLE"))
 
     def __post_init__(self):
         from kvmesh.services.router.pools import parse_models, served_names
@@ -270,6 +274,8 @@ class RouterConfig:
                 check_checkpoint_folder("model", folder)
         if self.no_worker_wait_s < 0:
             raise ValueError(f"no_worker_wait_s must be >= 0, got {self.no_worker_wait_s}")
+        if self.resume_timeout_s < 0:
+            raise ValueError(f"resume_timeout_s must be >= 0, got {self.resume_timeout_s}")
         if self.max_request_bytes < 1024 or self.max_prompt_chars < 1:
             raise ValueError(f"max_request_bytes must be >= 1024 and max_prompt_chars >= 1, "
                              f"got {self.max_request_bytes} and {self.max_prompt_chars}")

@@ -4,8 +4,10 @@ A service writes `kvmesh:svc:<kind>:<id>` (a JSON record with its address and fa
 and renews it every third of the TTL; a process that dies disappears when its lease expires,
 so adding or removing a process needs no configuration change. Worker epochs live here too:
 `kvmesh:worker:<id>:epoch` is bumped at every worker start. So do the worker leases that give
-each worker one owning scheduler (`kvmesh:owner:<worker id>`, with a fencing token counter) and
-the leader leases. This module is the only one that builds these key strings.
+each worker one owning scheduler (`kvmesh:owner:<worker id>`, with a fencing token counter), the
+leader leases, and `kvmesh:request:<id>`, which names the scheduler that holds a resumable request
+(a lease its scheduler renews), for a router to attach a reconnecting client to it. This module is
+the only one that builds these key strings.
 
 Redis is a shared cache of facts whose owners are the processes themselves, so an outage is
 survived: every service keeps the registry it last read, retries with backoff, and writes its
@@ -71,6 +73,11 @@ def kv_tokens(worker_records: list[dict], pool: str) -> int | None:
 
 def service_key(kind: str, instance_id: str) -> str:
     return f"{PREFIX}svc:{kind}:{instance_id}"
+
+
+def request_holder_key(request_id: str) -> str:
+    """The address of the scheduler holding a resumable request (kvmesh.v1.Scheduler/Attach)."""
+    return f"{PREFIX}request:{request_id}"
 
 
 def rollout_key(model: str) -> str:
@@ -263,6 +270,16 @@ class Registry:
         value = await self.redis.get(service_key(kind, instance_id))
         return json.loads(value) if value else None
 
+    async def hold_requests(self, request_ids, address: str, ttl_s: float) -> None:
+        """Says, for `ttl_s`, that the scheduler at `address` holds these requests (one pipeline)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.set(request_holder_key(request_id), address, px=int(ttl_s * 1000))
+            await pipe.execute()
+
+    async def request_holder(self, request_id: str) -> str | None:
+        """The address of the scheduler holding `request_id`, or None when none says it does."""
+        return await self.redis.get(request_holder_key(request_id))
     async def queue_states(self) -> list[dict]:
         """Every scheduler's published queue state."""
         keys = [k async for k in self.redis.scan_iter(match=QUEUE_STATE_PATTERN, count=100)]

@@ -76,7 +76,7 @@ class StoppingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "sampling", "stopping", "priority", "request_id", "n")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "sampling", "stopping", "priority", "request_id", "resume_from", "n")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class GenerateRequest(_message.Message):
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
@@ -92,8 +93,9 @@ class GenerateRequest(_message.Message):
     stopping: StoppingParams
     priority: int
     request_id: str
+    resume_from: int
     n: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., resume_from: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -122,7 +124,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "total_ms", "message", "trace_id", "worker_id", "preemptions", "model_version")
+    __slots__ = ("reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "total_ms", "message", "trace_id", "worker_id", "preemptions", "model_version", "resumes")
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +137,7 @@ class Finish(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -147,7 +150,8 @@ class Finish(_message.Message):
     worker_id: str
     preemptions: int
     model_version: str
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., message: _Optional[str] = ..., trace_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., preemptions: _Optional[int] = ..., model_version: _Optional[str] = ...) -> None: ...
+    resumes: int
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., message: _Optional[str] = ..., trace_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., preemptions: _Optional[int] = ..., model_version: _Optional[str] = ..., resumes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("tokens", "finish", "request_id", "index", "prompt_tokens")

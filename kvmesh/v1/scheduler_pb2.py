@@ -26,17 +26,19 @@ from kvmesh.v1 import generation_pb2 as kvmesh_dot_v1_dot_generation__pb2
 from kvmesh.v1 import worker_pb2 as kvmesh_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/scheduler.proto\x12\tkvmesh.v1\x1a\x1akvmesh/v1/generation.proto\x1a\x16kvmesh/v1/worker.proto\"\xba\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12+\n\x08stopping\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.StoppingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0f\n\x07version\x18\x06 \x01(\t\"\xaf\x02\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x13\n\x0bpreemptions\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\t\x12\x0f\n\x07top_ids\x18\x14 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x15 \x03(\x02\x12+\n\x06prompt\x18\x16 \x01(\x0b\x32\x1b.kvmesh.v1.LogprobsOfPrompt2H\n\tScheduler\x12;\n\x06Submit\x12\x18.kvmesh.v1.SubmitRequest\x1a\x15.kvmesh.v1.TokenEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/scheduler.proto\x12\tkvmesh.v1\x1a\x1akvmesh/v1/generation.proto\x1a\x16kvmesh/v1/worker.proto\"=\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\"\x91\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12+\n\x08stopping\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.StoppingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x18\n\x10output_token_ids\x18\x32 \x03(\r\x12\x17\n\x0foutput_logprobs\x18\x33 \x03(\x02\x12\x0f\n\x07resumes\x18\x34 \x01(\r\x12\x11\n\tresumable\x18\x35 \x01(\x08\"\xd5\x02\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x13\n\x0bpreemptions\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\t\x12\x13\n\x0bworker_lost\x18\x32 \x01(\x08\x12\x0f\n\x07resumes\x18\x33 \x01(\r\x12\x0f\n\x07top_ids\x18\x14 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x15 \x03(\x02\x12+\n\x06prompt\x18\x16 \x01(\x0b\x32\x1b.kvmesh.v1.LogprobsOfPrompt2\x85\x01\n\tScheduler\x12;\n\x06Submit\x12\x18.kvmesh.v1.SubmitRequest\x1a\x15.kvmesh.v1.TokenEvent0\x01\x12;\n\x06\x41ttach\x12\x18.kvmesh.v1.AttachRequest\x1a\x15.kvmesh.v1.TokenEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBMITREQUEST']._serialized_start=93
-  _globals['_SUBMITREQUEST']._serialized_end=279
-  _globals['_TOKENEVENT']._serialized_start=282
-  _globals['_TOKENEVENT']._serialized_end=585
-  _globals['_SCHEDULER']._serialized_start=587
-  _globals['_SCHEDULER']._serialized_end=659
+  _globals['_ATTACHREQUEST']._serialized_start=92
+  _globals['_ATTACHREQUEST']._serialized_end=153
+  _globals['_SUBMITREQUEST']._serialized_start=156
+  _globals['_SUBMITREQUEST']._serialized_end=429
+  _globals['_TOKENEVENT']._serialized_start=432
+  _globals['_TOKENEVENT']._serialized_end=773
+  _globals['_SCHEDULER']._serialized_start=776
+  _globals['_SCHEDULER']._serialized_end=909
 # @@protoc_insertion_point(module_scope)

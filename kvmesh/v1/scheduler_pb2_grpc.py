@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/kvmesh.v1.Scheduler/Attach',
+                request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.AttachRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -52,12 +57,28 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Relays a request held here (running, or finished within its grace period after its Submit
+        stream dropped) to a new caller: the first event carries every output token so far, then
+        the stream goes on as Submit's would; it counts as one more resume. A relay still open is
+        taken over (it ends CANCELLED).
+        NOT_FOUND when the request is not held here; INVALID_ARGUMENT when the prompt differs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Submit': grpc.unary_stream_rpc_method_handler(
                     servicer.Submit,
                     request_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.AttachRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
             ),
     }
@@ -87,6 +108,33 @@ class Scheduler:
             target,
             '/kvmesh.v1.Scheduler/Submit',
             kvmesh_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
+            kvmesh_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Scheduler/Attach',
+            kvmesh_dot_v1_dot_scheduler__pb2.AttachRequest.SerializeToString,
             kvmesh_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
             options,
             channel_credentials,

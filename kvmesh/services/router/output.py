@@ -7,8 +7,11 @@ over several tokens. `prompt_tokens` gives the prompt's tokens with their logpro
 `*_logprobs` functions render tokens in the OpenAI API's two logprobs shapes, each token with its
 own raw bytes (`Tokenizer.token_bytes`), not the text it released.
 
-Resuming a stream is the same object fed on: a resubmitted request's tokens continue the same
-ChoiceOutput, so the text a client has seen is never repeated.
+A ChoiceOutput also remembers the token ids and logprobs streamed so far: a request whose
+scheduler or worker died is resubmitted with them (as output tokens) and its tokens continue the
+same ChoiceOutput, so the text a client has seen is never repeated. A client resuming a broken
+stream (`resume_from`) gets `skip` tokens replayed through the detokenizer and the stop strings
+without being sent, so the text continues exactly where the broken stream left it.
 """
 
 from __future__ import annotations
@@ -48,21 +51,30 @@ class StopStringMatcher:
 
 
 class ChoiceOutput:
-    """One completion's text as its tokens arrive: `token()` per token, `finish()` at the end."""
+    """One completion's text as its tokens arrive: `token()` per token, `finish()` at the end.
+    `token_ids`/`logprobs`: every token pushed so far; the first `skip` are replayed, not sent."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stops: list[str]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stops: list[str], skip: int = 0):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stops = StopStringMatcher(stops)
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.skip = skip  # tokens the client already received (it resumed a broken stream)
 
     @property
     def stopped(self) -> bool:
         """A stop string completed: the completion ends here, whatever comes after."""
         return self.stops.stopped
 
-    def token(self, token_id: int, logprob: float, top: Sequence[gen.TokenLogprob] = ()) -> gen.Token:
-        """The token with the text it releases (often "", never part of a stop string)."""
-        return gen.Token(id=token_id, text=self.stops.push(self.detokenizer.push(token_id)), logprob=logprob,
-                         top_logprobs=top)
+    def token(self, token_id: int, logprob: float, top: Sequence[gen.TokenLogprob] = ()) -> gen.Token | None:
+        """The token with the text it releases (often "", never part of a stop string); None for
+        one of the first `skip`, which the client has already."""
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        text = self.stops.push(self.detokenizer.push(token_id))
+        if len(self.token_ids) <= self.skip:
+            return None
+        return gen.Token(id=token_id, text=text, logprob=logprob, top_logprobs=top)
 
     def finish(self) -> str:
         """The text still held (a trailing split character, a partial stop string) when the

@@ -38,6 +38,9 @@ MAX_STOP_STRING_CHARS = 256
 # Choice i of a seeded request draws with seed + i * this (mod 2^63): distinct, reproducible seeds.
 CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
 # Every response message echoes the request id: a long one would multiply what a request costs.
+# A scheduler call that broke this way lost its scheduler (or its connection to it): resubmit.
+RESUMABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+RESUME_BACKOFF_S, RESUME_BACKOFF_CAP_S = 0.05, 1.0
 
 
 class RouterError(Exception):
@@ -46,6 +49,34 @@ class RouterError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, trailing: tuple = (), field: str = ""):
         super().__init__(message)
         self.code, self.message, self.trailing, self.field = code, message, trailing, field
+
+
+class _Lost(Exception):
+    """A scheduler call that ended without the request's finish: it must be resubmitted.
+    `heard`: the call had streamed events (the request was running there)."""
+
+    def __init__(self, why: str, heard: bool):
+        super().__init__(why)
+        self.heard = heard
+
+
+async def _events_of(call):
+    """A scheduler call's events, to the finish. _Lost when the call breaks (RESUMABLE_CODES),
+    ends without a finish, or ends because the request's worker was lost; other errors raise."""
+    heard = False
+    try:
+        async for event in call:
+            if event.worker_lost:
+                raise _Lost(f"worker {event.worker_id or '?'} was lost ({event.message})", heard=True)
+            heard = True
+            yield event
+            if event.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
+                return
+    except grpc.aio.AioRpcError as e:
+        if e.code() not in RESUMABLE_CODES:
+            raise
+        raise _Lost(f"its scheduler call broke ({e.code().name}: {e.details()})", heard) from None
+    raise _Lost("the scheduler ended the stream without a finish", heard)
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
@@ -245,11 +276,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         return self.tracer.start_span("kvmesh.generate", context=telemetry.context_from_metadata(metadata),
                                       kind=telemetry.SpanKind.SERVER)
 
-    async def generate(self, request, timeout: float | None, span: telemetry.Span, key: KeyLimits | None = None):
-        """Streams GenerateResponse messages for one request; the last one carries `finish`.
+    async def generate(self, request, timeout: float | None, span: telemetry.Span, key: KeyLimits | None = None,
+                       resumable: bool = False):
+        """Streams GenerateResponse messages for one request; the last one (per choice) carries `finish`.
         Raises RouterError for bad input (INVALID_ARGUMENT), an unknown model (NOT_FOUND), nothing
         ready (UNAVAILABLE), a request over `key`'s limits (RESOURCE_EXHAUSTED with a retry hint)
-        and a scheduler's error status, passed on as it came (retry hint included). Records the
+        and a scheduler's error status, passed on as it came (retry hint included). A choice whose
+        scheduler or worker dies is resubmitted with the tokens already streamed (UNAVAILABLE when
+        no scheduler takes it within resume_timeout_s). `resumable`: the client can resume the
+        request by its request_id, so the scheduler holds it when the stream drops. Records the
         request's metrics and sets `span`'s attributes and status; the caller ends `span`."""
         started = time.monotonic()
         pool = self._by_name.get(request.model or self.default_pool)
@@ -259,7 +294,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         admission = None
         try:
             admission = await self._admit(key, span)
-            async for out in self._generate(request, timeout, span, started, admission):
+            async for out in self._generate(request, timeout, span, started, admission, resumable):
                 finishes += out.HasField("finish")
                 yield out
         except (GeneratorExit, asyncio.CancelledError):  # the caller closed the stream: its client left
@@ -277,12 +312,18 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 await self.limiter.finish(admission)
                 self.metrics.key_tokens.labels(admission.key.id).inc(admission.output_tokens)
 
-    async def _generate(self, request, timeout, span, started, admission: Admission | None):
+    async def _generate(self, request, timeout, span, started, admission: Admission | None, resumable: bool):
         pool = self.pool_for(request.model)
         try:
             submit = await self._validated(pool, request)
+            resume_from = request.resume_from if request.HasField("resume_from") else None
+            if resume_from is not None and not request.request_id:
+                raise InvalidRequest("resume_from", "needs the request_id of the stream to resume")
+            if resume_from is not None and request.n > 1:
+                raise InvalidRequest("resume_from", f"resumes one stream: n must be 1, got {request.n}")
         except InvalidRequest as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field) from None
+        submit.resumable = resumable
         await self._take_prompt(admission, len(submit.prompt_token_ids))
         if not pool.ready:
             waited = time.monotonic()
@@ -293,9 +334,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         span.set_attribute("kvmesh.request_id", submit.request_id)
         span.set_attribute("kvmesh.prompt_tokens", len(submit.prompt_token_ids))
         span.set_attribute("kvmesh.max_new_tokens", submit.stopping.max_new_tokens)
+        deadline = None if timeout is None else time.monotonic() + timeout
         scheduler = pool.next_scheduler()  # one for all choices: the first one's prompt pages serve the others
         choices = [self._choice(pool, scheduler, request, self._choice_submit(submit, i, request.sampling), i,
-                                timeout, span, started, admission) for i in range(max(1, request.n))]
+                                resume_from, deadline, span, started, admission) for i in range(max(1, request.n))]
         merged = choices[0] if len(choices) == 1 else _after_first(choices)
         try:
             async for out in merged:
@@ -316,53 +358,129 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         choice.sampling.ClearField("prompt_logprobs")
         return choice
 
-    async def _choice(self, pool: Pool, scheduler, request, submit, index: int, timeout, span, started,
-                      admission: Admission | None):
-        """One completion's stream: the scheduler's token events as GenerateResponses with text."""
-        call = scheduler.Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
-        text = ChoiceOutput(pool.tokenizer, submit.prompt_token_ids, list(request.stopping.stop))
+    async def _choice(self, pool: Pool, scheduler, request, submit, index: int, resume_from: int | None,
+                      deadline: float | None, span, started, admission: Admission | None):
+        """One completion's stream: its scheduler request's token events, across every scheduler
+        call `_events` makes for it, as GenerateResponses with text (`ChoiceOutput`)."""
+        text = ChoiceOutput(pool.tokenizer, submit.prompt_token_ids, list(request.stopping.stop), resume_from or 0)
         k = submit.sampling.logprobs
         trace_id = telemetry.trace_id_hex(span)
         itl = self.metrics.itl.labels(pool.name)
-        completion, first_token_at, last_token_at = 0, None, None
+        first_token_at, last_token_at = None, None
         try:
-            async for event in call:
+            async for event in self._events(pool, scheduler, submit, resume_from, deadline, span, text):
                 out = gen.GenerateResponse(request_id=request.request_id or submit.request_id, index=index)
                 if event.HasField("prompt"):
                     out.prompt_tokens.extend(prompt_tokens(pool.tokenizer, submit.prompt_token_ids, event.prompt,
                                                            submit.sampling.prompt_logprobs))
+                    submit.sampling.ClearField("prompt_logprobs")  # sent: a resubmit must not ask again
                 now = time.monotonic()
                 for i, (token_id, logprob) in enumerate(zip(event.token_ids, event.logprobs)):
-                    completion += 1
-                    first_token_at = first_token_at or now
-                    if last_token_at is not None:
-                        itl.observe(now - last_token_at)
-                    last_token_at = now
-                    out.tokens.append(text.token(token_id, logprob, alternatives(event.top_ids, event.top_logprobs, k, i)
-                                                 if k else ()))
+                    token = text.token(token_id, logprob, alternatives(event.top_ids, event.top_logprobs, k, i) if k else ())
+                    if token is not None:  # None: replayed for a resuming client that has it already
+                        first_token_at = first_token_at or now
+                        if last_token_at is not None:
+                            itl.observe(now - last_token_at)
+                        last_token_at = now
+                        out.tokens.append(token)
                     if text.stopped:
                         break
                 reason = gen.STOP if text.stopped else event.finish_reason
                 if reason != gen.FINISH_REASON_UNSPECIFIED:
+                    if len(text.token_ids) < text.skip:
+                        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                          f"resume_from: {text.skip} is more than the {len(text.token_ids)} tokens "
+                                          f"request {submit.request_id!r} produced", field="resume_from")
                     if out.tokens:
                         out.tokens[-1].text += text.finish()
                     finish = gen.Finish(
                         reason=reason, prompt_tokens=len(submit.prompt_token_ids),
-                        cached_prompt_tokens=event.cached_prompt_tokens, completion_tokens=completion,
+                        cached_prompt_tokens=event.cached_prompt_tokens, completion_tokens=len(text.token_ids),
                         queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
                         total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
-                        worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version)
+                        worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version,
+                        resumes=event.resumes)
                     self._record_finish(pool.name, finish, submit.stopping.max_new_tokens, span)
                     out.finish.CopyFrom(finish)
                     yield out
                     return
-                yield out
-        except grpc.aio.AioRpcError as e:
-            raise RouterError(e.code(), e.details() or "scheduler error", tuple(e.trailing_metadata() or ())) from None
+                if out.tokens or out.prompt_tokens:
+                    yield out
         finally:
-            call.cancel()  # no-op once finished; frees the request upstream when the client left
-            if admission is not None:
-                admission.output_tokens += completion  # every choice's tokens count against the key
+            if admission is not None:  # every choice's tokens sent on this stream count against the key
+                admission.output_tokens += max(0, len(text.token_ids) - text.skip)
+
+    async def _events(self, pool: Pool, scheduler, submit, resume_from: int | None, deadline: float | None, span,
+                      output: ChoiceOutput):
+        """The scheduler's TokenEvents for the request, to its last one, across every scheduler
+        call it takes: an Attach to the scheduler holding it when the client resumes
+        (`resume_from`), else a Submit; then, whenever the call breaks (UNAVAILABLE, CANCELLED: its
+        scheduler died) or ends because its worker was lost, a Submit to a live scheduler of the
+        pool with the tokens already streamed (`output`), retried with backoff for resume_timeout_s.
+        RouterError for any other error status, and UNAVAILABLE when that time runs out."""
+        call = await self._attach(submit, resume_from) if resume_from is not None else None
+        failures, give_up, cause = 0, None, None
+        while True:
+            if call is None and (scheduler is not None or pool.schedulers):
+                call = self._submit(scheduler or pool.next_scheduler(), submit, output, deadline, span)
+                scheduler = None  # a resubmit goes to whichever live scheduler is next
+            try:
+                if call is None:
+                    raise _Lost(f"pool {pool.name!r} has no live scheduler", heard=False)
+                async for event in _events_of(call):
+                    yield event
+                return
+            except _Lost as lost:
+                why = str(lost)
+                if lost.heard or cause is None:
+                    cause = why  # what started these retries
+                if lost.heard:  # it was running: this is a resume (a refused retry is not one)
+                    submit.resumes += 1
+                    failures, give_up = 0, None
+                    log.warning("request %s: %s; resuming it after %d tokens", submit.request_id, why, len(output.token_ids))
+            except grpc.aio.AioRpcError as e:
+                if not (e.code() == grpc.StatusCode.NOT_FOUND and resume_from == 0 and not output.token_ids):
+                    raise RouterError(e.code(), e.details() or "scheduler error", tuple(e.trailing_metadata() or ())) from None
+                call, resume_from = None, None  # nothing held and nothing received: start it afresh
+                continue
+            finally:
+                if call is not None:
+                    call.cancel()  # no-op once finished; frees the request upstream when the client left
+            call = None
+            now = time.monotonic()
+            give_up = give_up or now + self.cfg.resume_timeout_s
+            delay = min(RESUME_BACKOFF_CAP_S, RESUME_BACKOFF_S * 2 ** failures) * (0.5 + random.random() / 2)
+            failures += 1
+            if now + delay > min(give_up, deadline or give_up):
+                raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                  f"request {submit.request_id!r}: {cause}, and no scheduler of pool {pool.name!r} "
+                                  f"took it over within {self.cfg.resume_timeout_s:g}s (resume_timeout_s; last try: {why})")
+            await asyncio.sleep(delay)
+
+    def _submit(self, scheduler, submit, output: ChoiceOutput, deadline: float | None, span):
+        """A Submit of the request to `scheduler`, continuing after the tokens streamed so far
+        (as output tokens: the worker replays them into the request's grammar too)."""
+        del submit.output_token_ids[:], submit.output_logprobs[:]
+        submit.output_token_ids.extend(output.token_ids)
+        submit.output_logprobs.extend(output.logprobs)
+        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+        return scheduler.Submit(submit, timeout=timeout, metadata=telemetry.metadata_with_context(span))
+
+    async def _attach(self, submit, resume_from: int):
+        """An Attach call to the scheduler holding the request; None (submit it afresh) when none
+        holds it and the client has nothing of it yet. RouterError NOT_FOUND when none holds it."""
+        rid = submit.request_id
+        holder = await self.registry.request_holder(rid)
+        channel = dict(await self.schedulers.channels([holder])).get(holder) if holder else None
+        if channel is None:
+            if resume_from == 0:
+                return None
+            log.info("request %s cannot be resumed: %s", rid, f"its holder {holder} does not answer" if holder else "no holder")
+            raise RouterError(grpc.StatusCode.NOT_FOUND,
+                              f"request_id {rid!r} is not held by any scheduler: it finished and was collected, "
+                              f"was not resumed within the grace period, or its scheduler died", field="request_id")
+        return scheduler_pb2_grpc.SchedulerStub(channel).Attach(
+            scheduler_pb2.AttachRequest(request_id=rid, prompt_token_ids=submit.prompt_token_ids))
 
     def _record_finish(self, model: str, f: gen.Finish, max_tokens: int, span: telemetry.Span) -> None:
         m = self.metrics
@@ -398,7 +516,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             if trace_id := telemetry.trace_id_hex(span):
                 await context.send_initial_metadata((("kvmesh-trace-id", trace_id),))
             key = self.check_api_key(dict(metadata or ()).get("authorization"))
-            stream = self.generate(request, context.time_remaining(), span, key)
+            # A request the client named can be resumed by that name: the scheduler holds it when the stream drops.
+            stream = self.generate(request, context.time_remaining(), span, key, resumable=bool(request.request_id))
             async for out in stream:
                 yield out
         except RouterError as e:

@@ -4,8 +4,11 @@ Each worker of the pool found in the registry gets a `WorkerLoop` (worker_loop.p
 batching over one `Worker/Step` stream. Submit places a request on a worker (prefix overlap
 against load) and relays its tokens. A worker that dies or is drained hands its requests to
 other workers, where they are recomputed from the tokens already streamed, so streams continue
-exactly; only requests no worker can take end with an ERROR finish. Queue state, the autoscaling
-signal, health checks and the rollout controller run beside it (fleet.py).
+exactly; only requests no worker can take end with an ERROR finish (marked `worker_lost`, so the
+router resubmits them). A resumable request (its client named it) whose Submit stream drops is
+held for detach_grace_s, running on, until a router attaches to it (`Scheduler/Attach`) for a
+reconnecting client; `kvmesh:request:<id>` in Redis says which scheduler holds it. Queue state,
+the autoscaling signal, health checks and the rollout controller run beside it (fleet.py).
 
 A pool may have several schedulers: each drives only the workers whose lease it holds
 (ownership.py), adopts workers left free by a dead one, and one of them, the pool's leader (a
@@ -21,6 +24,8 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass, field
+
 import grpc
 
 from kvmesh import telemetry
@@ -47,6 +52,7 @@ log = logging.getLogger("kvmesh.scheduler")
 
 _REASONS = {r: gen.FinishReason.Value(r.name) for r in FinishReason}
 NO_WORKER_WAIT_S = 3.0
+HOLD_TTL_S = 3.0  # a holder key outlives its scheduler by at most this
 MAX_VERSION_CHARS = 128
 
 
@@ -59,7 +65,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     fit a worker's KV pool), UNAVAILABLE when no worker is ready, RESOURCE_EXHAUSTED with a
     `retry-after` hint when the pool is overloaded: the queue is full, the chosen worker could not
     start the request within max_queue_wait_s (overload.py), or it waited that long all the same
-    without starting (then nothing was streamed). Load alone never ends a request with ERROR."""
+    without starting (then nothing was streamed). Load alone never ends a request with ERROR.
+    A resubmitted request carries the tokens already streamed (output_token_ids) and continues
+    after them. Attach: see its docstring."""
 
     def __init__(self, cfg: SchedulerServiceConfig, registry: Registry, metrics: SchedulerMetrics | None = None,
                  identity: MeshIdentity | None = None):
@@ -78,7 +86,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                          cfg.balance_ratio, cfg.balance_slack_pages)
         self._round_robin = itertools.count()
         self._kvcache_stub = None
-        self.active_ids: set[str] = set()  # request ids with a live stream, across all workers
+        self.held: dict[str, HeldRequest] = {}  # request id -> its stream, across all workers
+        self._hold_now = asyncio.Event()  # a new resumable request: write its holder key now
         self.owner: dict[str, WorkerLoop] = {}  # request id -> the worker loop running it now
         self.outcomes = Outcomes()  # finished requests per version: rollouts and autoscaling read them
         self.health = HealthChecks(self)
@@ -133,6 +142,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         await context.abort(code, message)
 
     async def _submit(self, request, context, span):
+        held = await self._admit(request, context, span)
+        async for event in self._relay(held, context, span):
+            yield event
+
+    async def _admit(self, request, context, span) -> "HeldRequest":
+        """Checks and queues a Submit's request on a worker; aborts the call with its status otherwise."""
         if (waiting := self.waiting_count()) >= self.cfg.max_queue_len:
             await self._refuse_for_load(context, span, f"queue is full ({waiting} waiting, limit "
                                         f"max_queue_len={self.cfg.max_queue_len})", self.retry_hint_s())
@@ -160,37 +175,167 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._refuse_for_load(context, span, f"overloaded: a request queued now would wait about {wait_s:.0f} s "
                                         f"to start, over what max_queue_wait_s={self.cfg.max_queue_wait_s:g} allows", retry_s)
         req.eos_token_ids = tuple(worker.info.eos_token_ids)
-        if req.request_id in self.active_ids:
-            await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, f"request_id {req.request_id!r} is already in use")
+        if (earlier := self.held.get(req.request_id)) is not None:
+            if earlier.finish is None:
+                await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"request_id {req.request_id!r} is already in use")
+            self._release(earlier)  # finished, kept for a client that might resume it: the id is free again
         expected_pages = worker.view(hashes).prefix_pages
         try:
             queue = worker.submit(req, hashes, expected_pages)
         except (InvalidRequest, ValueError) as e:
             await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         span.set_attributes({"kvmesh.request_id": req.request_id, "kvmesh.worker_id": worker.worker_id,
-                             "kvmesh.expected_prefix_pages": expected_pages})
-        self.active_ids.add(req.request_id)
+                             "kvmesh.expected_prefix_pages": expected_pages, "kvmesh.resumes": request.resumes})
+        held = HeldRequest(req, queue, hashes, worker, request.resumable, request.resumes)
+        self.held[req.request_id] = held
         self.owner[req.request_id] = worker
-        finished, queue_span_done = False, False
+        if held.resumable:
+            self._hold_now.set()  # its holder key, written off this path
+        return held
+
+    async def Attach(self, request, context):
+        """Relays a request held here to a new caller (a router whose client resumed it): the first
+        event carries every output token so far (and the finish, if it came), then the stream goes
+        on as its Submit's. An open relay of it is taken over. NOT_FOUND when it is not held here,
+        INVALID_ARGUMENT when `prompt_token_ids` is not its prompt."""
+        held = self.held.get(request.request_id)
+        if held is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not held by this scheduler")
+        if list(request.prompt_token_ids) != held.req.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt_token_ids: differ from the prompt of request {request.request_id!r}")
+        if held.expiry is not None:
+            held.expiry.cancel()
+            held.expiry = None
+        if held.relay is not None:  # its old caller has not noticed yet that it is gone: stop that relay
+            held.relay.cancel()
+        held.resumes += 1
+        log.info("request %s resumed by a new caller after %d tokens", request.request_id, len(held.req.output_token_ids))
+        span = self.tracer.start_span("kvmesh.schedule", kind=telemetry.SpanKind.SERVER,
+                                      context=telemetry.context_from_metadata(context.invocation_metadata()),
+                                      attributes={"kvmesh.request_id": request.request_id, "kvmesh.resumes": held.resumes})
+        events = self._relay(held, context, span, self._catch_up(held))
         try:
-            while not finished:
-                event: TokenEvent = await queue.get()
-                finished = event.finish_reason is not None
-                if event.refused:  # never started: the client may retry elsewhere or later
-                    await self._refuse_for_load(context, span, event.message, self.retry_hint_s())
-                if not queue_span_done and (req.first_scheduled_time is not None or finished):
-                    queue_span_done = self._record_queue_span(req, span)
-                yield _event_to_proto(event, self.owner.get(req.request_id, worker))
-            self.outcomes.record(self.owner.get(req.request_id, worker).version, req)
-            reason = req.finish_reason.value if req.finish_reason else "cancelled"
-            span.set_attributes({"kvmesh.finish_reason": reason, "kvmesh.preemptions": req.num_preemptions,
-                                 "kvmesh.cached_prompt_tokens": req.num_cached_prompt_tokens})
-            if req.finish_reason is FinishReason.ERROR:
-                span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, event.message))
+            async for event in events:
+                yield event
         finally:
-            self.active_ids.discard(req.request_id)
-            owner = self.owner.pop(req.request_id, worker)
-            owner.done(req.request_id, hashes, finished)  # cancels it if the client left or timed out
+            await events.aclose()
+            span.end()
+
+    async def _relay(self, held: "HeldRequest", context, span, first: scheduler_pb2.TokenEvent | None = None):
+        """Streams `held`'s events (after `first`) to this call until its finish. When the call
+        drops first, a resumable request is held for detach_grace_s (unless the call's deadline
+        passed); any other is cancelled at once. A relay taken over by an Attach leaves it be."""
+        me = held.relay = asyncio.current_task()
+        rid, delivered = held.req.request_id, False
+        queue_span_done = False
+        try:
+            if first is not None:
+                delivered = held.finish is not None
+                yield first
+            while held.finish is None:
+                event: TokenEvent = await held.queue.get()
+                if event.refused:  # never started: the client may retry elsewhere or later
+                    held.finish, delivered = _event_to_proto(event, held.worker), True  # nothing to hold
+                    await self._refuse_for_load(context, span, event.message, self.retry_hint_s())
+                if held.resumable and not held.announced.is_set():
+                    await self._announced(held)
+                worker = self.owner.get(rid, held.worker)
+                message = _event_to_proto(event, worker)
+                if event.finish_reason is not None:
+                    self._finished(held, worker, message, event, span)
+                if not queue_span_done and (held.req.first_scheduled_time is not None or held.finish is not None):
+                    queue_span_done = self._record_queue_span(held.req, span)
+                # The caller may close the call as soon as it has the finish, before this generator resumes.
+                delivered = held.finish is not None
+                yield message
+            delivered = True
+        finally:
+            if held.relay is me:
+                held.relay = None
+                remaining = context.time_remaining()
+                if delivered or not held.resumable or not self.cfg.detach_grace_s or (remaining is not None and remaining <= 0):
+                    self._release(held)
+                else:
+                    self._detach(held)
+
+    async def _announced(self, held: "HeldRequest") -> None:
+        """Waits (bounded) for the request's holder key: a client never has a token of a request
+        a router could not find to resume."""
+        try:
+            await asyncio.wait_for(held.announced.wait(), HOLD_TTL_S / 3)
+        except TimeoutError:
+            pass  # Redis is slow or down: stream on; a resume finds it once the key is written
+
+    def _finished(self, held: "HeldRequest", worker: WorkerLoop, message, event: TokenEvent, span) -> None:
+        """The request's last event: it says whether its worker was lost (the router may resubmit)."""
+        req = held.req
+        message.resumes = held.resumes
+        message.worker_lost = event.finish_reason is FinishReason.ERROR and (not worker.alive or worker.draining)
+        held.finish = message
+        self.outcomes.record(worker.version, req)
+        span.set_attributes({"kvmesh.finish_reason": event.finish_reason.value, "kvmesh.preemptions": req.num_preemptions,
+                             "kvmesh.cached_prompt_tokens": req.num_cached_prompt_tokens})
+        if event.finish_reason is FinishReason.ERROR:
+            span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, event.message))
+
+    def _catch_up(self, held: "HeldRequest") -> scheduler_pb2.TokenEvent:
+        """One event with every output token so far (events still queued are in `req` already),
+        and the finish when the request has finished."""
+        rid = held.req.request_id
+        worker = self.owner.get(rid, held.worker)
+        while held.finish is None and not held.queue.empty():
+            event = held.queue.get_nowait()
+            if event.finish_reason is not None:
+                self._finished(held, worker, _event_to_proto(event, worker), event, telemetry.trace.INVALID_SPAN)
+        message = scheduler_pb2.TokenEvent()
+        message.CopyFrom(held.finish if held.finish is not None else _event_to_proto(None, worker))
+        message.resumes = held.resumes
+        message.ClearField("token_ids")
+        message.ClearField("logprobs")
+        message.token_ids.extend(held.req.output_token_ids)
+        message.logprobs.extend(held.req.output_logprobs)
+        return message
+
+    def _detach(self, held: "HeldRequest") -> None:
+        """Its caller is gone: it runs on (or stays finished) for detach_grace_s, for an Attach."""
+        held.expiry = asyncio.get_running_loop().call_later(self.cfg.detach_grace_s, self._expire, held)
+        log.info("request %s lost its caller: held %gs for it to resume", held.req.request_id, self.cfg.detach_grace_s)
+
+    def _expire(self, held: "HeldRequest") -> None:
+        if held.relay is None and self.held.get(held.req.request_id) is held:
+            log.info("request %s was not resumed within %gs: cancelled", held.req.request_id, self.cfg.detach_grace_s)
+            self._release(held)
+
+    def _release(self, held: "HeldRequest") -> None:
+        """Forgets the request; cancels it (freeing its pages) unless it finished."""
+        rid = held.req.request_id
+        if self.held.get(rid) is not held:
+            return
+        del self.held[rid]
+        if held.expiry is not None:
+            held.expiry.cancel()
+        owner = self.owner.pop(rid, held.worker)
+        owner.done(rid, held.hashes, held.finish is not None)
+
+    async def hold_requests(self, address: str) -> None:
+        """Keeps `kvmesh:request:<id>` -> this scheduler for every resumable request held here
+        (written at once for a new one, renewed every second), so a router can find it to attach."""
+        while True:
+            self._hold_now.clear()  # before the snapshot: a request added during the write is written next
+            batch = [held for held in self.held.values() if held.resumable]
+            if batch:
+                try:
+                    await self.registry.hold_requests([h.req.request_id for h in batch], address, HOLD_TTL_S)
+                    for held in batch:
+                        held.announced.set()
+                except Exception as e:  # Redis down: held requests run on; a resume finds them once it is back
+                    log.warning("holder keys: %s", e)
+            try:
+                await asyncio.wait_for(self._hold_now.wait(), HOLD_TTL_S / 3)
+            except TimeoutError:
+                pass
 
     def ready_worker(self, version: str) -> WorkerLoop | None:
         """Some worker of `version` ("" any) that takes requests: its model's limits apply to the request."""
@@ -217,6 +362,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
         validate_request(req.prompt_token_ids, req.sampling, req.stopping, max_context=model.max_context,
                          vocab_size=model.vocab_size)
+        _resume_output(req, request, model.vocab_size)
         return req
 
     def page_hashes(self, token_ids: list[int]) -> list[bytes]:
@@ -397,13 +543,51 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         }
 
 
+def _resume_output(req: Request, request, vocab_size: int) -> None:
+    """Continues `req` after the tokens its client already has (a resubmit after a failure).
+    InvalidRequest naming the field when they cannot be this request's output so far."""
+    output = list(request.output_token_ids)
+    if not output:
+        return
+    if len(output) >= req.stopping.max_new_tokens:
+        raise InvalidRequest("output_token_ids", f"has {len(output)} tokens, not fewer than max_new_tokens "
+                                                 f"({req.stopping.max_new_tokens}): nothing is left to generate")
+    if (bad := max(output)) >= vocab_size:
+        raise InvalidRequest("output_token_ids", f"holds {bad}, outside the vocabulary of {vocab_size}")
+    logprobs = list(request.output_logprobs)
+    if len(logprobs) != len(output):
+        raise InvalidRequest("output_logprobs", f"has {len(logprobs)} values for {len(output)} output tokens")
+    req.output_token_ids, req.output_logprobs = output, logprobs
+    req.token_ids = req.prompt_token_ids + output
+
+
+@dataclass(eq=False)
+class HeldRequest:
+    """A request as Submit and Attach relay it. The worker loop fills `queue`; one relay (the
+    caller's stream) reads it at a time. A resumable request whose relay drops is held, running on
+    with its tokens in `req`, for detach_grace_s (the `expiry` timer), then cancelled."""
+
+    req: Request
+    queue: asyncio.Queue
+    hashes: list[bytes]
+    worker: WorkerLoop  # where it was placed (`owner` says where it runs now)
+    resumable: bool
+    resumes: int
+    finish: scheduler_pb2.TokenEvent | None = None  # its last event, once read from the queue
+    announced: asyncio.Event = field(default_factory=asyncio.Event)  # its holder key is written
+    relay: asyncio.Task | None = None
+    expiry: asyncio.TimerHandle | None = None
+
+
 def _wall_ns(monotonic_s: float) -> int:
     """A time.monotonic() reading as epoch nanoseconds (span timestamps are wall-clock)."""
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
-def _event_to_proto(event: TokenEvent, worker: WorkerLoop) -> scheduler_pb2.TokenEvent:
+def _event_to_proto(event: TokenEvent | None, worker: WorkerLoop) -> scheduler_pb2.TokenEvent:
     m = scheduler_pb2.TokenEvent(worker_id=worker.worker_id, version=worker.version)
+    if event is None:
+        return m
     if event.token_id is not None:
         m.token_ids.append(event.token_id)
         m.logprobs.append(event.logprob)
@@ -435,6 +619,7 @@ async def serve(common: CommonConfig, cfg: SchedulerServiceConfig) -> None:
     service.identify(address)
     registry.on_close.append(service.leases.release_all)  # a clean stop hands its workers over at once
     tasks = [asyncio.create_task(service.discover()), asyncio.create_task(service.publish_queue_state()),
+             asyncio.create_task(service.hold_requests(address)),
              asyncio.create_task(service.leases.keep(service.lost_worker)), asyncio.create_task(service.leader.run()),
              asyncio.create_task(RolloutController(service).run())]
     if cfg.health_check_interval_s:

@@ -1,0 +1,353 @@
+"""Streams survive the death of their scheduler, worker or router (issue 14, items 3-4).
+
+Real processes, real SIGKILL, a real redis-server. A killed scheduler or worker: the router
+resubmits each request with the tokens already streamed, and the client's stream goes on. A
+killed router: the client reconnects to another router with its request_id and the number of
+tokens it has, and the scheduler, which held the request meanwhile, streams the rest. Every
+stream is compared token by token with an undisturbed run of the same requests (which is itself
+compared with transformers), so a lost or repeated token anywhere fails the test.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+
+import grpc
+import aiohttp
+import pytest
+
+from kvmesh import client
+from kvmesh.services.children import free_port, service_child
+from kvmesh.tokenizer import Tokenizer
+from kvmesh.v1 import generation_pb2 as gen
+from kvmesh.v1 import generation_pb2_grpc
+from local_mesh import Mesh, page_stats, queue_state, wait_idle
+from reference import assert_matches_reference, hf_greedy
+
+GRACE_S = 8.0  # the scheduler's detach_grace_s here: long enough to reconnect under load, short to wait out
+N_STREAMS = 16
+RECOVER_S = 120  # generous: the machine may be loaded
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir):
+    m = Mesh(model_dir, extra_scheduler=["--detach-grace-s", str(GRACE_S)])
+    # A second router: clients of a killed router reconnect through it.
+    m.router2 = service_child("router-2", "router", "", m.redis_url, free_port(), ["--model", str(model_dir)],
+                              m.log_dir, dict(os.environ, PYTHONUNBUFFERED="1"))
+    wait_serving(m.router2)
+    yield m
+    m.router2.process.kill()
+    m.router2.process.wait()
+    m.close()
+
+
+def wait_serving(child, timeout=RECOVER_S):
+    deadline = time.monotonic() + timeout
+    while not child.serving(timeout_s=1):
+        assert child.process.poll() is None, f"{child.name} exited: see {child.log_path}"
+        assert time.monotonic() < deadline, f"{child.name} did not serve within {timeout}s"
+        time.sleep(0.2)
+
+
+def greedy(i, request_id=""):
+    return gen.GenerateRequest(prompt=f"stream {i} walks by the river stone", request_id=request_id,
+                               sampling=gen.SamplingParams(temperature=0.0),
+                               stopping=gen.StoppingParams(max_new_tokens=64 + 4 * i, ignore_eos=True))
+
+
+def seeded(request_id=""):
+    return gen.GenerateRequest(prompt="a seeded walk in the garden", request_id=request_id,
+                               sampling=gen.SamplingParams(temperature=0.9, top_k=50, seed=1234),
+                               stopping=gen.StoppingParams(max_new_tokens=120, ignore_eos=True))
+
+
+class Stream:
+    """What a client received on one (possibly reconnected) stream."""
+
+    def __init__(self):
+        self.tokens, self.logprobs, self.texts, self.finish = [], [], [], None
+
+    def take(self, response):
+        for t in response.tokens:
+            self.tokens.append(t.id)
+            self.logprobs.append(t.logprob)
+            self.texts.append(t.text)
+        if response.HasField("finish"):
+            assert self.finish is None, "two finish messages"
+            self.finish = response.finish
+
+    @property
+    def text(self):
+        return "".join(self.texts)
+
+
+async def stream_all(stubs, requests, fault=None):
+    """Runs `requests` through kvmesh.client (reconnecting over `stubs`); once every stream has
+    received a message, calls `fault()`. Returns the Streams and what `fault` returned."""
+    streams = [Stream() for _ in requests]
+    heard = [asyncio.Event() for _ in requests]
+
+    async def one(request, stream, event):
+        async for response in client.generate(stubs, request, timeout=RECOVER_S):
+            stream.take(response)
+            event.set()
+
+    tasks = [asyncio.create_task(one(r, s, e)) for r, s, e in zip(requests, streams, heard)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in heard)), RECOVER_S)
+    assert not any(t.done() for t in tasks), "a stream ended before the fault: make the streams longer"
+    outcome = fault() if fault else None
+    if asyncio.iscoroutine(outcome):
+        outcome = await outcome
+    await asyncio.gather(*tasks)
+    return streams, outcome
+
+
+@pytest.fixture(scope="module")
+def undisturbed(mesh, model_dir):
+    """The 16 greedy streams without a fault, each checked against transformers."""
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            return (await stream_all([generation_pb2_grpc.GenerationStub(ch)], [greedy(i) for i in range(N_STREAMS)]))[0]
+
+    streams = asyncio.run(run())
+    tok = Tokenizer.from_dir(model_dir)
+    compared = 0
+    for i, s in enumerate(streams):
+        assert s.finish.reason == gen.LENGTH and s.finish.resumes == 0
+        compared += assert_matches_reference(s.tokens, s.logprobs, hf_greedy(model_dir, tok.encode(greedy(i).prompt),
+                                                                               greedy(i).stopping.max_new_tokens))
+    total = sum(len(s.tokens) for s in streams)
+    print(f"compared {compared} of {total} tokens with transformers")
+    assert compared >= total // 2
+    return streams
+
+
+def lost_and_repeated(got, want):
+    """(tokens missing, tokens extra) of `got` against the undisturbed `want`, after their common prefix."""
+    common = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return len(want) - common, len(got) - common
+
+
+def assert_exact(streams, undisturbed, min_resumes=1):
+    for i, (got, want) in enumerate(zip(streams, undisturbed)):
+        assert lost_and_repeated(got.tokens, want.tokens) == (0, 0), f"stream {i}"
+        assert got.text == want.text, f"stream {i}: the text differs"
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert abs(a - b) < 1e-3
+        assert got.finish.reason == gen.LENGTH and got.finish.completion_tokens == len(want.tokens)
+        assert got.finish.resumes >= min_resumes, f"stream {i} was not resumed: {got.finish}"
+
+
+async def all_pages_returned(mesh):
+    idle = await wait_idle(mesh.kvcache_addr, timeout=RECOVER_S)
+    assert idle and all(w.used_pages == 0 for w in idle), idle  # the workers that served since the fault
+    assert all(w.cached_pages + w.free_pages == w.total_pages for w in idle), idle
+
+
+def kill(*children):
+    for child in children:
+        os.kill(child.process.pid, signal.SIGKILL)
+    for child in children:
+        child.process.wait()
+
+
+async def recovery(stub, killed, children):
+    """Restarts `children` (killed) on their ports and times, from the kill, the first new request
+    to succeed and the children serving again."""
+    for child in children:
+        child.start()
+    new_request = time.monotonic()
+    response = None
+    while response is None:
+        try:
+            response = await collect_one(stub, gen.GenerateRequest(
+                prompt="a new request", sampling=gen.SamplingParams(temperature=0.0),
+                stopping=gen.StoppingParams(max_new_tokens=4, ignore_eos=True)))
+        except grpc.aio.AioRpcError:
+            assert time.monotonic() - killed < RECOVER_S
+            await asyncio.sleep(0.1)
+    served_after = time.monotonic() - killed
+    await asyncio.to_thread(lambda: [wait_serving(c) for c in children])
+    back_after = time.monotonic() - killed
+    print(f"new request sent {new_request - killed:.1f}s after the kill served after {served_after:.1f}s; "
+          f"{', '.join(c.name for c in children)} back after {back_after:.1f}s")
+    return served_after, back_after
+
+
+async def collect_one(stub, request):
+    s = Stream()
+    async for response in stub.Generate(request, timeout=RECOVER_S):
+        s.take(response)
+    assert s.finish.reason == gen.LENGTH
+    return s
+
+
+def report(row):
+    """Appends a measured row for docs/reliability.md to the file KVMESH_RELIABILITY_ROWS names."""
+    if path := os.environ.get("KVMESH_RELIABILITY_ROWS"):
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def faulted_run(mesh, undisturbed, names):
+    children = [mesh.child(n) for n in names]
+
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+
+            async def fault():
+                kill(*children)
+                return await recovery(stub, time.monotonic(), children)
+
+            streams, (served, back) = await stream_all([stub], [greedy(i) for i in range(N_STREAMS)], fault)
+            await all_pages_returned(mesh)
+            return streams, served, back
+
+    streams, served, back = asyncio.run(run())
+    assert_exact(streams, undisturbed)
+    lost = sum(lost_and_repeated(s.tokens, u.tokens)[0] for s, u in zip(streams, undisturbed))
+    repeated = sum(lost_and_repeated(s.tokens, u.tokens)[1] for s, u in zip(streams, undisturbed))
+    report({"killed": " + ".join(names), "completed": sum(s.finish.reason == gen.LENGTH for s in streams),
+            "streams": len(streams), "lost": lost, "repeated": repeated, "new_request_s": round(served, 1),
+            "back_s": round(back, 1)})
+
+
+def test_a_killed_scheduler_s_streams_continue_exactly(mesh, undisturbed):
+    faulted_run(mesh, undisturbed, ["scheduler"])
+
+
+def test_a_worker_and_the_scheduler_killed_at_once_lose_no_stream(mesh, undisturbed):
+    faulted_run(mesh, undisturbed, ["scheduler", "worker-0"])
+
+
+def test_a_seeded_sampled_stream_through_a_scheduler_kill_equals_the_undisturbed_one(mesh):
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            calm = await collect_one(stub, seeded())
+            scheduler = mesh.child("scheduler")
+
+            async def fault():
+                kill(scheduler)
+                scheduler.start()
+
+            [hit], _ = await stream_all([stub], [seeded()], fault)
+            await asyncio.to_thread(wait_serving, scheduler)
+            return calm, hit
+
+    calm, hit = asyncio.run(run())
+    assert len(calm.tokens) == 120 and calm.finish.resumes == 0
+    assert hit.tokens == calm.tokens and hit.text == calm.text
+    assert hit.finish.resumes >= 1
+
+
+def test_clients_of_a_killed_router_resume_through_another_with_their_request_id(mesh, undisturbed):
+    router = mesh.child("router")
+    http_port = int(router.http.rsplit(":", 1)[1])
+
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch1, grpc.aio.insecure_channel(mesh.router2.address) as ch2:
+            stubs = [generation_pb2_grpc.GenerationStub(ch1), generation_pb2_grpc.GenerationStub(ch2)]
+            # An OpenAI client on the same router cannot resume: it fails, and leaves nothing behind.
+            body = {"model": "default", "prompt": "an http stream", "max_tokens": 1900, "stream": True,
+                    "temperature": 0, "ignore_eos": True}
+            http = aiohttp.ClientSession()
+            http_stream = await http.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body)
+            assert http_stream.status == 200 and (await http_stream.content.readline()).startswith(b"data:")
+            killed = []
+
+            def fault():
+                kill(router)
+                killed.append(time.monotonic())
+
+            requests = [greedy(i, request_id=f"resume-{i}-{time.monotonic_ns()}") for i in range(N_STREAMS)]
+            streams, _ = await stream_all(stubs, requests, fault)
+            with pytest.raises(aiohttp.ClientError):
+                async for _ in http_stream.content:
+                    pass
+            await http.close()
+            await all_pages_returned(mesh)
+            router.start()
+            await asyncio.to_thread(wait_serving, router)
+            return streams, time.monotonic() - killed[0]
+
+    streams, back = asyncio.run(run())
+    assert_exact(streams, undisturbed)
+    report({"killed": "router (clients reconnect to a second router)", "completed": len(streams),
+            "streams": len(streams), "lost": 0, "repeated": 0, "new_request_s": 0.0, "back_s": round(back, 1)})
+
+
+def test_a_request_never_resumed_is_cancelled_after_the_grace_period_and_frees_its_pages(mesh):
+    request_id = f"abandoned-{time.monotonic_ns()}"
+    request = gen.GenerateRequest(prompt="a stream nobody comes back for", request_id=request_id,
+                                  sampling=gen.SamplingParams(temperature=0.0),
+                                  stopping=gen.StoppingParams(max_new_tokens=1900, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            call = stub.Generate(request)
+            received = len((await call.read()).tokens)
+            call.cancel()  # the client goes away for good
+            left = time.monotonic()
+            # Held: it keeps running, holding its pages, until the grace period ends.
+            running_midway = await queue_state(mesh.redis_url, lambda n: n == 1, timeout=1)
+            # The scheduler ships its page operations to kvcache after each step: wait for them (bounded, within the grace).
+            deadline = time.monotonic() + GRACE_S / 2
+            while (in_use_midway := sum(w.used_pages for w in await page_stats(mesh.kvcache_addr))) == 0 \
+                    and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            await queue_state(mesh.redis_url, lambda n: n == 0, timeout=GRACE_S + RECOVER_S)
+            cancelled_after = time.monotonic() - left
+            idle = await wait_idle(mesh.kvcache_addr, timeout=RECOVER_S)
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                late = gen.GenerateRequest()
+                late.CopyFrom(request)
+                late.resume_from = received
+                async for _ in stub.Generate(late, timeout=30):
+                    pass
+            return running_midway, in_use_midway, cancelled_after, idle, gone.value
+
+    running_midway, in_use_midway, cancelled_after, idle, gone = asyncio.run(run())
+    assert running_midway == 1 and in_use_midway > 0
+    assert GRACE_S <= cancelled_after < GRACE_S + RECOVER_S
+    assert all(w.used_pages == 0 for w in idle), idle
+    assert gone.code() == grpc.StatusCode.NOT_FOUND and request_id in gone.details()
+
+
+def test_a_client_resumes_its_request_by_request_id_over_an_mtls_mesh(model_dir, tmp_path):
+    from kvmesh.services.launcher import MeshTLS
+    from kvmesh.services.tls import MeshCertificates
+
+    tls_mesh = Mesh(model_dir, workers=1, tls=MeshTLS(MeshCertificates.create(tmp_path / "mesh")))
+    request = gen.GenerateRequest(prompt="a stream over mutual TLS", request_id="tls-resume",
+                                  sampling=gen.SamplingParams(temperature=0.0),
+                                  stopping=gen.StoppingParams(max_new_tokens=96, ignore_eos=True))
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(tls_mesh.addr) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                calm = gen.GenerateRequest()
+                calm.CopyFrom(request)
+                calm.request_id = ""
+                undisturbed = await collect_one(stub, calm)
+                head, call = Stream(), stub.Generate(request)
+                head.take(await call.read())
+                call.cancel()  # the connection drops; the scheduler holds the request
+                resumed = gen.GenerateRequest()
+                resumed.CopyFrom(request)
+                resumed.resume_from = len(head.tokens)
+                rest = await collect_one(stub, resumed)
+                return undisturbed, head, rest
+
+        undisturbed, head, rest = asyncio.run(asyncio.wait_for(run(), RECOVER_S))
+        assert head.tokens and head.tokens + rest.tokens == undisturbed.tokens
+        assert head.text + rest.text == undisturbed.text
+        assert rest.finish.resumes == 1 and rest.finish.completion_tokens == 96
+    finally:
+        tls_mesh.close()
