@@ -69,7 +69,7 @@ class LLMEngine:
 
     @property
     def max_context(self) -> int:
-        return self.model.cfg.max_position_embeddings
+        return self.runner.max_context
 
     def add_request(
         self,

@@ -92,12 +92,13 @@ def validate_request(
     max_context: int,
     vocab_size: int,
 ) -> None:
-    """Raises InvalidRequest for the first rule the request breaks."""
+    """Raises InvalidRequest for the first rule the request breaks. `max_context` is the served
+    context: the model's, or less where the worker's whole KV pool holds fewer tokens."""
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequest("prompt", "must not be empty")
     if n > max_context:
-        raise InvalidRequest("prompt", f"has {n} tokens, over the model's context of {max_context}")
+        raise InvalidRequest("prompt", f"has {n} tokens, over the context of {max_context}")
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
@@ -106,7 +107,7 @@ def validate_request(
     if n + stopping.max_new_tokens > max_context:
         raise InvalidRequest(
             "max_new_tokens",
-            f"prompt ({n} tokens) plus max_new_tokens ({stopping.max_new_tokens}) is over the model's context of {max_context}",
+            f"prompt ({n} tokens) plus max_new_tokens ({stopping.max_new_tokens}) is over the context of {max_context}",
         )
     if len(stopping.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest("stop_token_ids", f"has {len(stopping.stop_token_ids)} ids, over the limit of {MAX_STOP_TOKEN_IDS}")

@@ -32,6 +32,15 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("mesh-model"), "llama", **SIZES["tiny"])
 
 
+@pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory):
+    """The tiny llama with a 131,072-token context: a request for local_mesh.LONG_REQUEST tokens outlasts any
+    test on any machine, so a test that needs a request still running (a blocker, an abandoned
+    stream) cancels it instead of racing its end."""
+    return make_model(tmp_path_factory.mktemp("long-model"), "llama",
+                      **{**SIZES["tiny"], "max_position_embeddings": 1 << 17})
+
+
 @pytest.fixture(scope="module")
 def mesh(model_dir):
     """A one-worker mesh per test module (modules that need another shape define their own `mesh`)."""

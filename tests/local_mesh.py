@@ -14,6 +14,12 @@ from kvmesh.services.tls import mesh_channel
 from kvmesh.services.registry import QUEUE_STATE_PATTERN
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
 
+# Output tokens for a request that must still be running when a test acts on it (on conftest's
+# long_model_dir, with LONG_KV of KV per worker): a minute or more of decoding on any machine;
+# the test cancels it.
+LONG_REQUEST = 60_000
+LONG_KV = ["--kv-memory-mib", "32"]  # 65,536 of the tiny model's tokens
+
 
 class Mesh:
     """What `kvmesh up` starts (with its own redis-server unless given `redis_url`), with 4 MiB of KV

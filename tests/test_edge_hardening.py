@@ -224,7 +224,7 @@ async def _stream_text(session, url: str, body: bytes, started: asyncio.Event) -
 @pytest.mark.parametrize("prompt_chars, limit", [
     (4 * DEFAULT_MAX_PROMPT_CHARS, f"over the router's limit of {DEFAULT_MAX_PROMPT_CHARS} (max_prompt_chars)"),
     # Under the character limit: tokenized (off the event loop), then over the model's context.
-    (DEFAULT_MAX_PROMPT_CHARS - 10, "over the model's context of 2048"),
+    (DEFAULT_MAX_PROMPT_CHARS - 10, "over the context of 2048"),
 ])
 def test_a_huge_prompt_is_refused_while_a_stream_in_flight_finishes_exact(http, prompt_chars, limit):
     url = f"{http}/v1/completions"

@@ -80,6 +80,18 @@ def test_preemption_under_a_tiny_pool_keeps_tokens_exact(hf_checkpoint, arch):
     assert engine.page_stats().free == engine.page_stats().total
 
 
+def test_a_request_longer_than_the_whole_kv_pool_is_refused_and_one_that_fills_it_runs(model_dir):
+    # 8 pages hold 128 tokens, under the model's 2,048: a longer sequence could never run, not even alone.
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=8, enable_prefix_caching=False))
+    prompt = random_prompts(1, (100, 100), seed=9)[0]
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request(prompt, GREEDY, StoppingParams(max_new_tokens=29, ignore_eos=True))
+    assert err.value.field == "max_new_tokens" and "over the context of 128" in str(err.value)
+    [done] = engine.generate([prompt], GREEDY, StoppingParams(max_new_tokens=28, ignore_eos=True))
+    assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 28
+    assert engine.page_stats().free == engine.page_stats().total
+
+
 def test_prefix_hit_reports_cached_tokens_and_same_tokens(hf_checkpoint):
     model_dir = hf_checkpoint("llama")
     engine = LLMEngine(EngineConfig(model=model_dir, num_pages=64))

@@ -112,7 +112,7 @@ SUBMIT_ATTACKS = [
     (submit([5, 6, 7], temperature=math.inf), "temperature", "must be in [0, 100]"),
     (submit([5, 6, 7], temperature=1.0, repetition_penalty=1e-45), "repetition_penalty", "must be in [0.01, 2]"),
     (submit([5, 6, 7], "r" * 1_000_000, temperature=0.0), "request_id", f"over the limit of {MAX_REQUEST_ID_CHARS}"),
-    (submit([5] * 100_000, temperature=0.0), "prompt", "over the model's context"),
+    (submit([5] * 100_000, temperature=0.0), "prompt", "over the context of"),
 ]
 
 

@@ -12,19 +12,20 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import time
 
 import grpc
 import aiohttp
 import pytest
+import redis
 
 from kvmesh import client
 from kvmesh.services.children import free_port, service_child
+from kvmesh.services.registry import request_holder_key
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, page_stats, queue_state, wait_idle
+from local_mesh import LONG_KV, LONG_REQUEST, Mesh, page_stats, queue_state, wait_idle
 from reference import assert_matches_reference, hf_greedy
 
 GRACE_S = 8.0  # the scheduler's detach_grace_s here: long enough to reconnect under load, short to wait out
@@ -33,10 +34,10 @@ RECOVER_S = 120  # generous: the machine may be loaded
 
 
 @pytest.fixture(scope="module")
-def mesh(model_dir):
-    m = Mesh(model_dir, extra_scheduler=["--detach-grace-s", str(GRACE_S)])
+def mesh(long_model_dir):
+    m = Mesh(long_model_dir, extra_worker=LONG_KV, extra_scheduler=["--detach-grace-s", str(GRACE_S)])
     # A second router: clients of a killed router reconnect through it.
-    m.router2 = service_child("router-2", "router", "", m.redis_url, free_port(), ["--model", str(model_dir)],
+    m.router2 = service_child("router-2", "router", "", m.redis_url, free_port(), ["--model", str(long_model_dir)],
                               m.log_dir, dict(os.environ, PYTHONUNBUFFERED="1"))
     wait_serving(m.router2)
     yield m
@@ -107,18 +108,18 @@ async def stream_all(stubs, requests, fault=None):
 
 
 @pytest.fixture(scope="module")
-def undisturbed(mesh, model_dir):
+def undisturbed(mesh, long_model_dir):
     """The 16 greedy streams without a fault, each checked against transformers."""
     async def run():
         async with grpc.aio.insecure_channel(mesh.addr) as ch:
             return (await stream_all([generation_pb2_grpc.GenerationStub(ch)], [greedy(i) for i in range(N_STREAMS)]))[0]
 
     streams = asyncio.run(run())
-    tok = Tokenizer.from_dir(model_dir)
+    tok = Tokenizer.from_dir(long_model_dir)
     compared = 0
     for i, s in enumerate(streams):
         assert s.finish.reason == gen.LENGTH and s.finish.resumes == 0
-        compared += assert_matches_reference(s.tokens, s.logprobs, hf_greedy(model_dir, tok.encode(greedy(i).prompt),
+        compared += assert_matches_reference(s.tokens, s.logprobs, hf_greedy(long_model_dir, tok.encode(greedy(i).prompt),
                                                                                greedy(i).stopping.max_new_tokens))
     total = sum(len(s.tokens) for s in streams)
     print(f"compared {compared} of {total} tokens with transformers")
@@ -254,7 +255,7 @@ def test_clients_of_a_killed_router_resume_through_another_with_their_request_id
         async with grpc.aio.insecure_channel(mesh.addr) as ch1, grpc.aio.insecure_channel(mesh.router2.address) as ch2:
             stubs = [generation_pb2_grpc.GenerationStub(ch1), generation_pb2_grpc.GenerationStub(ch2)]
             # An OpenAI client on the same router cannot resume: it fails, and leaves nothing behind.
-            body = {"model": "default", "prompt": "an http stream", "max_tokens": 1900, "stream": True,
+            body = {"model": "default", "prompt": "an http stream", "max_tokens": LONG_REQUEST, "stream": True,
                     "temperature": 0, "ignore_eos": True}
             http = aiohttp.ClientSession()
             http_stream = await http.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body)
@@ -286,7 +287,7 @@ def test_a_request_never_resumed_is_cancelled_after_the_grace_period_and_frees_i
     request_id = f"abandoned-{time.monotonic_ns()}"
     request = gen.GenerateRequest(prompt="a stream nobody comes back for", request_id=request_id,
                                   sampling=gen.SamplingParams(temperature=0.0),
-                                  stopping=gen.StoppingParams(max_new_tokens=1900, ignore_eos=True))
+                                  stopping=gen.StoppingParams(max_new_tokens=LONG_REQUEST, ignore_eos=True))
 
     async def run():
         async with grpc.aio.insecure_channel(mesh.addr) as ch:
@@ -302,8 +303,15 @@ def test_a_request_never_resumed_is_cancelled_after_the_grace_period_and_frees_i
             while (in_use_midway := sum(w.used_pages for w in await page_stats(mesh.kvcache_addr))) == 0 \
                     and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            await queue_state(mesh.redis_url, lambda n: n == 0, timeout=GRACE_S + RECOVER_S)
+            # Cancelled at the grace period's end (it could run for minutes): its holder key goes,
+            # and then a resume finds nothing.
+            holder = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+            deadline = left + GRACE_S + RECOVER_S
+            while holder.exists(request_holder_key(request_id)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            holder.close()
             cancelled_after = time.monotonic() - left
+            await queue_state(mesh.redis_url, lambda n: n == 0, timeout=RECOVER_S)
             idle = await wait_idle(mesh.kvcache_addr, timeout=RECOVER_S)
             with pytest.raises(grpc.aio.AioRpcError) as gone:
                 late = gen.GenerateRequest()

@@ -8,7 +8,7 @@ import pytest
 
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect, queue_state, wait_idle
+from local_mesh import LONG_KV, LONG_REQUEST, Mesh, collect, queue_state, wait_idle
 from reference import assert_matches_reference, hf_greedy
 
 
@@ -75,10 +75,10 @@ def test_running_streams_keep_producing_while_a_long_prompt_is_prefilled_in_chun
 
 
 @pytest.fixture(scope="module")
-def one_slot_mesh(model_dir):
+def one_slot_mesh(long_model_dir):
     # One running request at a time, no aging, at most 3 waiting, 6 s at most in the queue (and new
     # requests refused as overloaded once one has waited a third of that: 2 s, which the tests stay under).
-    m = Mesh(model_dir, workers=1, extra_scheduler=["--max-num-seqs", "1", "--aging-s", "0",
+    m = Mesh(long_model_dir, workers=1, extra_worker=LONG_KV, extra_scheduler=["--max-num-seqs", "1", "--aging-s", "0",
                                                     "--max-queue-len", "3", "--max-queue-wait-s", "6"])
     yield m
     m.close()
@@ -95,7 +95,7 @@ def test_higher_priority_is_admitted_first(one_slot_mesh):
                 order.append(name)
                 return result
 
-            blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=1), 1900)))
+            blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=1), LONG_REQUEST)))
             await queue_state(one_slot_mesh.redis_url, lambda n: n == 1)
             low = asyncio.create_task(tracked("low", ids_request(random_ids(8, seed=2), 5, priority=0)))
             await queue_state(one_slot_mesh.redis_url, lambda n: n == 2)
@@ -112,7 +112,7 @@ def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint(one_slot_mesh
     async def run():
         async with grpc.aio.insecure_channel(one_slot_mesh.addr) as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
-            blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=4), 1900)))
+            blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=4), LONG_REQUEST)))
             await queue_state(one_slot_mesh.redis_url, lambda n: n == 1)
             queued = [asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=5 + i), 3))) for i in range(3)]
             await queue_state(one_slot_mesh.redis_url, lambda n: n == 4)
@@ -132,7 +132,7 @@ def test_a_request_waiting_past_the_queue_limit_is_refused_for_load_with_a_hint_
     async def run():
         async with grpc.aio.insecure_channel(one_slot_mesh.addr) as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
-            blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=10), 1900)))
+            blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=10), LONG_REQUEST)))
             await queue_state(one_slot_mesh.redis_url, lambda n: n == 1)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(stub, ids_request(random_ids(8, seed=11), 3))
@@ -144,6 +144,23 @@ def test_a_request_waiting_past_the_queue_limit_is_refused_for_load_with_a_hint_
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in the queue without starting" in error.details()
     assert int(dict(error.trailing_metadata())["retry-after"]) >= 1
     assert all(w.used_pages == 0 for w in idle)
+
+
+def test_a_request_longer_than_the_worker_s_whole_kv_pool_is_refused_naming_the_limit(one_slot_mesh):
+    # The model's context is 131,072 tokens, but 32 MiB of KV holds 65,536: the router lets the
+    # request through, and the scheduler refuses it by its worker's limit instead of queueing it forever.
+    async def run():
+        async with grpc.aio.insecure_channel(one_slot_mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, ids_request(random_ids(8, seed=12), 65_536 - 8 + 1))
+            fits = await collect(stub, ids_request(random_ids(8, seed=12), 3))
+            return err.value, fits
+
+    error, (tokens, *_, finish) = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_new_tokens" in error.details() and "over the context of 65536" in error.details()
+    assert finish.reason == gen.LENGTH and len(tokens) == 3
 
 
 def test_padded_static_batches_stream_exactly_and_return_every_page(model_dir):

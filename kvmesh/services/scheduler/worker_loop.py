@@ -159,8 +159,11 @@ class WorkerLoop:
 
     async def run(self, channel: grpc.aio.Channel) -> None:
         # The kvcache's copy of this worker's pages is what an earlier loop (a scheduler that died) left:
-        # this loop's replica starts empty, as the worker does on a new step stream, so that copy starts over.
-        self._page_ops.put_nowait(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True))
+        # this loop's replica starts empty, as the worker does on a new step stream, so that copy starts
+        # over. With our lease token: a restarted scheduler keeps its token, and kvcache ignores a
+        # `forget` under a token lower than the one it has seen.
+        self._page_ops.put_nowait(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True,
+                                                           lease_token=self.lease_token))
         shipper = asyncio.create_task(self._ship_page_ops())
         self.stub = worker_pb2_grpc.WorkerStub(channel)
         call = self.stub.Step(metadata=((wire.LEASE_TOKEN_METADATA, str(self.lease_token)),

@@ -110,6 +110,12 @@ class ModelRunner:
         self.pool = KVPool(model, num_pages, page_size)
         self.seqs: dict[str, SequenceState] = {}
 
+    @property
+    def max_context(self) -> int:
+        """The longest sequence it can serve: the model's context, or the whole KV pool where that
+        holds fewer tokens (a longer request could never run, not even alone, so it is refused)."""
+        return min(self.model.cfg.max_position_embeddings, self.pool.num_pages * self.page_size)
+
     @functools.cached_property
     def grammars(self) -> Grammars:
         """The model's grammars; ValueError when its folder (or tokenizer.json) is unknown."""

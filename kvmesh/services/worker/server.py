@@ -234,6 +234,10 @@ def load_runner(cfg: WorkerConfig) -> ModelRunner:
     runner = ModelRunner(model, num_pages, cfg.page_size)
     allocated = time.monotonic()
     warm_up(runner)
+    if runner.max_context < model.cfg.max_position_embeddings:
+        log.warning("the KV pool (%d pages of %d tokens) holds fewer tokens than the model's context of %d: "
+                    "requests are limited to %d tokens (raise --kv-memory-mib for more)", num_pages, cfg.page_size,
+                    model.cfg.max_position_embeddings, runner.max_context)
     log.info("start-up: weights %.1fs, KV pool %.1fs, warm-up %.1fs", loaded - started, allocated - loaded,
              time.monotonic() - allocated)
     return runner
@@ -317,7 +321,7 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     answer = await asyncio.get_running_loop().run_in_executor(service._compute, greedy_answer, runner, prompt, CHECK_TOKENS)
     service.info = worker_pb2.WorkerInfo(
         worker_id=worker_id, model=str(model_dir or "default"), num_pages=runner.pool.num_pages, page_size=runner.page_size,
-        max_context=mcfg.max_position_embeddings, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
+        max_context=runner.max_context, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
         epoch=epoch, pool=cfg.pool, version=cfg.version, check_prompt=prompt, check_answer=answer)
     cold_start = time.time() - psutil.Process().create_time()
     service.metrics.cold_start.set(cold_start)
