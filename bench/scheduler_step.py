@@ -4,8 +4,8 @@
 
 `scheduler`: the scheduler's CPU time (thread time) per step with 256 running sequences, as its batching loop
 spends it: schedule(), the plan to protobuf, the worker's answer from protobuf, update(), and the
-page operations for the kvcache service; the kvcache service's replay of those operations is
-printed beside it.
+step's page events for the kvcache service (its prefix-index changes and page counts, as the
+publisher collects them); the kvcache service's handling of those events is printed beside it.
 No model: the "worker" answers at once with one token for every sequence the step brings level
 (not timed). Requests have 64..320-token prompts (a quarter share a 128-token system prompt) and
 64..256 output tokens (256 such sequences fit in the smallest pool), so sequences finish and new ones are admitted all along, and the pool is
@@ -51,14 +51,15 @@ def answer(plan, request_ids_level) -> "object":
 
 def scheduler_steps(num_pages: int, steps: int) -> list[float]:
     from kvmesh.services import wire
-    from kvmesh.services.kvcache.pages import PagePool
-    from kvmesh.services.kvcache.replica import RecordingPagePool, apply_ops
+    from kvmesh.services.kvcache.index import WorkerIndex
     from kvmesh.services.scheduler.core import Scheduler, SchedulerConfig
-    from kvmesh.v1 import kvcache_pb2
+    from kvmesh.services.scheduler.kv_events import KVPublisher, TracedPagePool
 
     rng = random.Random(0)
-    pool = RecordingPagePool(num_pages, 16)
-    replica = PagePool(num_pages, 16)
+    pool = TracedPagePool("w", num_pages, 16)
+    publisher = KVPublisher(pool, "w", epoch=1, lease_token=1, kvcache=lambda: None)
+    publisher.resync = False  # changes since the last call, as in steady state
+    index = WorkerIndex(1, 1, num_pages, 16)
     core = Scheduler(pool, SchedulerConfig(max_batched_tokens=2048, max_num_seqs=RUNNING, max_prefill_chunk=512))
     feed = requests(rng, 10**7, 0)
     times, shape, replay = [], [], []
@@ -74,9 +75,10 @@ def scheduler_steps(num_pages: int, steps: int) -> list[float]:
         reply = answer(msg, level)
         t2 = time.thread_time()
         core.update(plan, wire.result_from_proto(reply))
-        ops = kvcache_pb2.ApplyRequest(worker_id="w", epoch=1, num_pages=num_pages, page_size=16, ops=pool.drain())
+        publisher.after_step()
+        events = publisher._request()  # one call per step: the most a busy kvcache could be sent
         t3 = time.thread_time()
-        apply_ops(replica, ops.ops)  # the kvcache service's replay of the step's page operations
+        index.apply(events.stored, events.evicted)  # the kvcache service's side of the call
         t4 = time.thread_time()
         if step >= 200:
             times.append((t1 - t0) + (t3 - t2))
@@ -84,7 +86,7 @@ def scheduler_steps(num_pages: int, steps: int) -> list[float]:
             shape.append((len(plan.scheduled), plan.num_tokens))
     seqs, tokens = (statistics.mean(x) for x in zip(*shape))
     print(f"          per step: {seqs:.0f} sequences, {tokens:.0f} tokens; {core.num_preemptions} preemptions in all; "
-          f"kvcache replay {1000 * statistics.mean(replay):.3f} ms/step")
+          f"kvcache index update {1000 * statistics.mean(replay):.3f} ms/step")
     return times
 
 

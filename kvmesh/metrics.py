@@ -80,6 +80,9 @@ class RouterMetrics:
                                         m, buckets=REQUEST_BUCKETS, registry=registry)
         self.max_tokens = Histogram("kvmesh_request_params_max_tokens", "max_tokens (max_new_tokens) of finished requests.",
                                     m, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        self.prefix_lookups = Counter("kvmesh_router_prefix_lookups", "Prefix-index lookups for choosing a scheduler, "
+                                      "by outcome: hit (a scheduler's worker holds a prefix), miss, or unavailable "
+                                      "(kvcache did not answer in time: chosen by load).", (*m, "outcome"), registry=registry)
         # Per API key: labelled by the key's id, never the key (ids come from the keys file: bounded).
         # Made by start_keys, so that a router without keys exports no family without samples.
         self._registry = registry
@@ -111,6 +114,8 @@ class RouterMetrics:
             self.success.labels(model, reason)
         for code in FAILURE_CODES:
             self.failure.labels(model, code)
+        for outcome in ("hit", "miss", "unavailable"):
+            self.prefix_lookups.labels(model, outcome)
 
 
 class SchedulerMetrics:

@@ -42,6 +42,19 @@ def long_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A redis-server of the test module's own (never a shared one): its URL."""
+    from kvmesh.services.children import free_port
+    from local_mesh import start_redis
+
+    port = free_port()
+    process = start_redis(port, str(tmp_path_factory.mktemp("redis")))
+    yield f"redis://127.0.0.1:{port}/0"
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture(scope="module")
 def mesh(model_dir):
     """A one-worker mesh per test module (modules that need another shape define their own `mesh`)."""
     from local_mesh import Mesh

@@ -11,7 +11,7 @@ import grpc
 from kvmesh.services.children import redis_child
 from kvmesh.services.launcher import free_port, launch, stop
 from kvmesh.services.tls import mesh_channel
-from kvmesh.services.registry import QUEUE_STATE_PATTERN
+from kvmesh.services.registry import QUEUE_STATE_PATTERN, owner_key
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 # Output tokens for a request that must still be running when a test acts on it (on conftest's
@@ -47,6 +47,26 @@ class Mesh:
 
     def close(self):
         stop(self.children, self.redis)
+
+    def wait_split(self, timeout=60) -> dict:
+        """Waits until every scheduler owns as many workers as the others (schedulers that start
+        together split them by lease); returns worker id -> its scheduler's address."""
+        import redis
+
+        workers = [c.name for c in self.children if c.service == "worker"]
+        schedulers = [c.address for c in self.children if c.service == "scheduler"]
+        r = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                owner = dict(zip(workers, ((r.get(owner_key(w)) or " ").rsplit(" ", 1)[0] for w in workers)))
+                held = list(owner.values())
+                if len({held.count(s) for s in schedulers}) == 1 and set(held) <= set(schedulers):
+                    return owner
+                assert time.monotonic() < deadline, f"the schedulers did not split the workers: {owner}"
+                time.sleep(0.2)
+        finally:
+            r.close()
 
 
 async def collect(stub, request, timeout=60):
@@ -88,6 +108,12 @@ async def page_stats(addr, identity=None):
     """The kvcache's page stats per worker (over mTLS with `identity`, a tls.MeshIdentity, when the mesh has one)."""
     async with mesh_channel(addr, identity) as ch:
         return (await kvcache_pb2_grpc.KVCacheStub(ch).Stats(kvcache_pb2.StatsRequest())).workers
+
+
+async def lookup(addr, hashes, identity=None):
+    """kvcache's Lookup: per worker holding some, the leading pages of `hashes` it holds."""
+    async with mesh_channel(addr, identity) as ch:
+        return (await kvcache_pb2_grpc.KVCacheStub(ch).Lookup(kvcache_pb2.LookupRequest(hashes=hashes))).workers
 
 
 async def queue_state(redis_url, until, timeout=10):

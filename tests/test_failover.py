@@ -17,10 +17,11 @@ import redis
 
 from kvmesh.services.launcher import wait_serving
 from kvmesh.services.registry import QUEUE_STATE_PATTERN, epoch_key, owner_key, service_key
+from kvmesh.services.kvcache.pages import prefix_hashes
 from kvmesh.services.kvcache.prefix_store import prefix_key
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect, page_stats, wait_idle
+from local_mesh import Mesh, collect, lookup, page_stats, wait_idle
 from reference import assert_matches_reference, hf_greedy
 
 ADOPTION_DEADLINE_S = 15.0  # generous: the target (docs/reliability.md) is 5 s, on a loaded test machine
@@ -324,6 +325,14 @@ def test_16_streams_are_exact_through_a_kvcache_kill_and_its_restart(two_schedul
         compared += assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, ids, n_tokens))
     assert compared >= 16 * 8, compared
     wait_serving(kvcache.address, 60, kvcache.process)
-    results = asyncio.run(_many(mesh.addr, 4))  # new requests after the restart
-    assert all(finish.reason == gen.LENGTH for _, _, _, finish in results)
-    assert_pages_returned(mesh, r)
+    after = asyncio.run(_many(mesh.addr, 4))  # new requests after the restart
+    assert all(finish.reason == gen.LENGTH for _, _, _, finish in after)
+    stats = assert_pages_returned(mesh, r)
+    # The restarted kvcache asked each scheduler for its workers' whole prefix index: the prompts
+    # computed before the kill are found again where they are cached, and Redis holds the same.
+    assert all(w.indexed_pages == w.cached_pages > 0 for w in stats), stats
+    computed = prompts[0] + results[0][0][:-1]  # its prompt and output, all in the KV but the last token
+    found = asyncio.run(lookup(mesh.kvcache_addr, prefix_hashes(computed + [0], 16)))
+    assert found and max(w.pages for w in found) == len(computed) // 16, found
+    wait_for(lambda: all(r.hlen(prefix_key(w.worker_id)) == w.indexed_pages for w in stats), 15,
+             "the prefix index in Redis does not match kvcache's")

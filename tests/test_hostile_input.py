@@ -1,7 +1,7 @@
 """Hostile input against a running mesh: every service checks what it is sent.
 
 Each attack of issue 15 is sent straight to the service it targets (the scheduler's Submit, the
-router's Generate, the kvcache's Apply) while a normal greedy request streams on the one worker,
+router's Generate, the kvcache's Publish) while a normal greedy request streams on the one worker,
 so that anything the attack got into would share its batch. Each attack is refused with
 INVALID_ARGUMENT naming the field and the limit (or answered without harm), and the normal
 request finishes with the tokens transformers gives.
@@ -179,10 +179,10 @@ def test_repetition_penalty_1e_45_is_refused_by_the_router_over_grpc_and_http(me
     assert_finished_exact(tokens, logprobs, finish, reference)
 
 
-# -- kvcache: Apply allocates nothing it was not meant to ------------------------------------
+# -- kvcache: Publish keeps nothing it was not meant to -----------------------------------
 
 
-def test_kvcache_apply_is_bounded_and_leaves_the_real_workers_accounting_alone(mesh, normal_prompt, reference):
+def test_kvcache_publish_is_bounded_and_leaves_the_real_workers_index_alone(mesh, normal_prompt, reference):
     kvcache = psutil.Process(mesh.child("kvcache").process.pid)
     rss_before = kvcache.memory_info().rss
 
@@ -192,12 +192,12 @@ def test_kvcache_apply_is_bounded_and_leaves_the_real_workers_accounting_alone(m
         [stats] = await page_stats(mesh.kvcache_addr, mesh.peer)
         real.update(worker_id=stats.worker_id, total_pages=stats.total_pages)
 
-    def apply(**fields):
+    def publish(**fields):
         async def send():
-            request = kvcache_pb2.ApplyRequest(**{k: v(real) if callable(v) else v for k, v in fields.items()})
+            request = kvcache_pb2.PublishRequest(**{k: v(real) if callable(v) else v for k, v in fields.items()})
             async with peer_channel(mesh, mesh.kvcache_addr) as ch:
                 try:
-                    await kvcache_pb2_grpc.KVCacheStub(ch).Apply(request, timeout=30)
+                    await kvcache_pb2_grpc.KVCacheStub(ch).Publish(request, timeout=30)
                     return grpc.StatusCode.OK, ""
                 except grpc.aio.AioRpcError as e:
                     return e.code(), e.details()
@@ -206,11 +206,13 @@ def test_kvcache_apply_is_bounded_and_leaves_the_real_workers_accounting_alone(m
     worker_id, total = (lambda r: r["worker_id"]), (lambda r: r["total_pages"])
     attacks = [
         read_real,
-        apply(worker_id="attacker", epoch=1, num_pages=5_000_000, page_size=16),
-        apply(worker_id="attacker", epoch=1, num_pages=1000, page_size=16),  # within the cap, but no such worker
-        apply(worker_id=worker_id, epoch=10**9, num_pages=total, page_size=16),  # not its epoch
-        apply(worker_id=worker_id, epoch=1, num_pages=total, page_size=16,
-              ops=lambda r: [kvcache_pb2.PageOp(kind=kvcache_pb2.PageOp.OPEN, seq_id="x", page_ids=[r["total_pages"] + 5])]),
+        publish(worker_id="attacker", epoch=1, num_pages=5_000_000, page_size=16, full=True),
+        publish(worker_id="attacker", epoch=1, num_pages=1000, page_size=16, full=True,  # within the cap, but no such worker
+                pages=kvcache_pb2.PageCounts(free=1000)),
+        publish(worker_id=worker_id, epoch=10**9, num_pages=total, page_size=16, full=True,  # not its epoch
+                pages=lambda r: kvcache_pb2.PageCounts(free=r["total_pages"])),
+        publish(worker_id=worker_id, epoch=1, num_pages=total, page_size=16, full=True,  # more hashes than pages
+                stored=lambda r: [bytes(16)] * (r["total_pages"] + 1), pages=lambda r: kvcache_pb2.PageCounts(free=r["total_pages"])),
     ]
     seen, still_streaming, tokens, logprobs, finish = asyncio.run(beside_a_normal_request(mesh, normal_prompt, attacks))
     seen = seen[1:]
@@ -220,7 +222,7 @@ def test_kvcache_apply_is_bounded_and_leaves_the_real_workers_accounting_alone(m
     assert details.startswith("num_pages: ") and "[1, 1048576] (max_pages_per_worker)" in details
     assert seen[1] == (grpc.StatusCode.FAILED_PRECONDITION, "worker 'attacker' is not registered")
     assert seen[2][0] == grpc.StatusCode.FAILED_PRECONDITION and "is registered at epoch" in seen[2][1]
-    assert seen[3][0] == grpc.StatusCode.INVALID_ARGUMENT and seen[3][1].startswith("ops[0].page_ids: ")
+    assert seen[3][0] == grpc.StatusCode.INVALID_ARGUMENT and seen[3][1].startswith("stored: ")
     assert kvcache.memory_info().rss - rss_before < 30 << 20  # the attack in the issue grew it by 357 MB
     assert still_streaming
     assert_finished_exact(tokens, logprobs, finish, reference)
@@ -251,10 +253,10 @@ def test_with_mtls_the_attacks_from_a_client_without_a_mesh_certificate_are_refu
     scheduler, kvcache = mesh.child("scheduler").address, mesh.kvcache_addr
     attacks = [without_certificate(scheduler, lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Submit(r, timeout=10))
                for r, _, _ in SUBMIT_ATTACKS[:2]]
-    attacks.append(without_certificate(kvcache, lambda ch: kvcache_pb2_grpc.KVCacheStub(ch).Apply(
-        kvcache_pb2.ApplyRequest(worker_id="attacker", epoch=1, num_pages=5_000_000, page_size=16), timeout=10)))
-    attacks.append(without_certificate(kvcache, lambda ch: kvcache_pb2_grpc.KVCacheStub(ch).Apply(
-        kvcache_pb2.ApplyRequest(worker_id="worker-0", forget=True), timeout=10)))
+    attacks.append(without_certificate(kvcache, lambda ch: kvcache_pb2_grpc.KVCacheStub(ch).Publish(
+        kvcache_pb2.PublishRequest(worker_id="attacker", epoch=1, num_pages=5_000_000, page_size=16), timeout=10)))
+    attacks.append(without_certificate(kvcache, lambda ch: kvcache_pb2_grpc.KVCacheStub(ch).Publish(
+        kvcache_pb2.PublishRequest(worker_id="worker-0", forget=True), timeout=10)))
     seen, still_streaming, tokens, logprobs, finish = asyncio.run(beside_a_normal_request(mesh, normal_prompt, attacks))
     assert [code for code, _ in seen] == [grpc.StatusCode.UNAVAILABLE] * len(attacks), seen
     assert still_streaming

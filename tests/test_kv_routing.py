@@ -1,4 +1,4 @@
-"""Prefix sharing and KV-aware worker choice through the mesh, and the Redis prefix mirror."""
+"""Prefix sharing and KV-aware choice of worker and scheduler through the mesh, and the Redis prefix mirror."""
 
 import asyncio
 import json
@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -68,9 +69,7 @@ def test_kv_aware_choice_follows_prefixes_and_stays_balanced(mesh):
         requests.append(ids_request(prefixes[k % 4] + random_ids(10, seed=100 + k), 6))
     results = generate_all(mesh.addr, requests)
     hits = sum(f.cached_prompt_tokens >= 288 and f.worker_id == holders[i] for i, (*_, f) in zip(which, results))
-    per_worker = {}
-    for *_, f in results:
-        per_worker[f.worker_id] = per_worker.get(f.worker_id, 0) + 1
+    per_worker = Counter(f.worker_id for *_, f in results)
     assert hits >= 36, f"{hits}/40 went to a worker holding their prefix"
     assert len(per_worker) == 2 and max(per_worker.values()) <= 26, per_worker  # at most 65%
 
@@ -79,9 +78,7 @@ def test_a_hot_prefix_is_spread_over_both_workers(mesh):
     hot = random_ids(300, seed=20)
     generate_all(mesh.addr, [ids_request(hot + [5], 4)])
     results = generate_all(mesh.addr, [ids_request(hot + random_ids(6, seed=200 + k), 24) for k in range(30)])
-    per_worker = {}
-    for *_, f in results:
-        per_worker[f.worker_id] = per_worker.get(f.worker_id, 0) + 1
+    per_worker = Counter(f.worker_id for *_, f in results)
     assert len(per_worker) == 2 and min(per_worker.values()) >= 5, per_worker
 
 
@@ -166,3 +163,64 @@ def test_redis_prefix_copy_shrinks_with_eviction(mesh):
         assert sum(w.cached_pages for w in stats) < 20 * 62  # some of the 1,240 prompt pages were evicted
     finally:
         r.close()
+
+
+# -- several schedulers: the router routes by kvcache's cluster-wide prefix index ---------------
+
+
+def scrape_router(mesh):
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{mesh.child('router').http}/metrics", timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("kvmesh_router_prefix_lookups_total{")}
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir):
+    """Two schedulers owning two workers each."""
+    m = Mesh(model_dir, workers=4, schedulers=2)
+    m.owner = m.wait_split()  # worker id -> its scheduler's address
+    yield m
+    m.close()
+
+
+def test_across_schedulers_requests_land_on_the_worker_that_holds_their_prefix(fleet, model_dir):
+    prefixes = [random_ids(300, seed=70 + i) for i in range(4)]
+    seeded = generate_all(fleet.addr, [ids_request(p + [7, 8, 9], 4) for p in prefixes])  # at once: spread by load
+    holders = [f.worker_id for *_, f in seeded]
+    before = scrape_router(fleet)
+    requests = [ids_request(prefixes[k % 4] + random_ids(10, seed=700 + k), 6) for k in range(40)]
+    results = generate_all(fleet.addr, requests)
+    hits = [f.cached_prompt_tokens >= 288 and f.worker_id == holders[k % 4] for k, (*_, f) in enumerate(results)]
+    after = scrape_router(fleet)
+    assert sum(hits) >= 36, f"{sum(hits)}/40 went to the worker holding their prefix ({holders})"
+    assert len({fleet.owner[w] for w in holders}) == 2, "the four prefixes were all computed under one scheduler"
+    looked_up = {k: after[k] - before.get(k, 0) for k in after}
+    assert looked_up['kvmesh_router_prefix_lookups_total{model_name="default",outcome="hit"}'] >= 36, looked_up
+    tokens, logprobs, *_ = results[0]
+    assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, list(requests[0].prompt_token_ids.ids), 6))
+
+
+def test_across_schedulers_a_hot_prefix_spreads_over_both(fleet):
+    hot = random_ids(300, seed=80)
+    generate_all(fleet.addr, [ids_request(hot + [5], 4)])
+    results = generate_all(fleet.addr, [ids_request(hot + random_ids(6, seed=800 + k), 64) for k in range(30)])
+    per_scheduler = Counter(fleet.owner[f.worker_id] for *_, f in results)
+    assert len(per_scheduler) == 2 and min(per_scheduler.values()) >= 5, per_scheduler
+
+
+def test_without_kvcache_the_router_routes_by_load_and_every_request_is_served(fleet):
+    kvcache = fleet.child("kvcache")
+    kvcache.process.send_signal(signal.SIGKILL)
+    kvcache.process.wait()
+    try:
+        before = scrape_router(fleet)
+        results = generate_all(fleet.addr, [ids_request(random_ids(40, seed=900 + k), 8) for k in range(12)])
+        after = scrape_router(fleet)
+    finally:
+        kvcache.start()
+    assert all(f.reason == gen.LENGTH and len(t) == 8 for t, _, _, f in results)
+    assert len({fleet.owner[f.worker_id] for *_, f in results}) == 2  # spread by load
+    key = 'kvmesh_router_prefix_lookups_total{model_name="default",outcome="unavailable"}'
+    assert after[key] - before.get(key, 0) == 12

@@ -16,7 +16,7 @@ from kvmesh.services.launcher import free_port, serve_command, wait_serving
 from kvmesh.services.router.limits import KeyBook, KeyLimiter, KeyLimits, LimitExceeded, TokenBucket, parse_keys
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, start_redis
+from local_mesh import Mesh
 
 # ---- the cores ---------------------------------------------------------------------------------
 
@@ -73,15 +73,6 @@ def test_the_keys_file_is_read_again_when_it_changes_and_a_bad_version_keeps_the
 
 
 # ---- the limiter on a real redis-server ----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    port = free_port()
-    proc = start_redis(port, str(tmp_path_factory.mktemp("limits-redis")))
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def run_with(redis_url, body, routers=2, **kwargs):

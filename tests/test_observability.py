@@ -28,7 +28,8 @@ def receiver():
 def mesh(model_dir, receiver):
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
            "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    m = Mesh(model_dir, workers=2, env=env)
+    m = Mesh(model_dir, workers=2, schedulers=2, env=env)
+    m.wait_split()  # one worker each: the router then chooses a scheduler by kvcache's prefix index
     yield m
     m.close()
 
@@ -55,6 +56,7 @@ def by_name(spans, name):
 
 
 def test_one_generate_is_one_trace_across_all_four_services(mesh, receiver):
+    # kvcache is in it because the router looks the prompt's pages up to choose a scheduler.
     n = 9
     initial, tokens, finish = asyncio.run(generate(mesh, greedy("the trace follows every hop", n)))
     assert len(tokens) == n and finish.trace_id and initial["kvmesh-trace-id"] == finish.trace_id
@@ -80,6 +82,10 @@ def test_one_generate_is_one_trace_across_all_four_services(mesh, receiver):
     assert schedule_span.parent_span_id == generate_span.span_id
     for name in ("kvmesh.queue", "kvmesh.kv.open", "kvmesh.kv.release", "kvmesh.token_step"):
         assert by_name(spans, name) and all(s.parent_span_id == schedule_span.span_id for s in by_name(spans, name))
+    lookup, = by_name(spans, "kvmesh.kv.lookup")
+    assert lookup.parent_span_id == generate_span.span_id
+    assert {a.key for a in lookup.attributes} >= {"kvmesh.prompt_pages", "kvmesh.best_prefix_pages"}
+    assert {a.key for a in generate_span.attributes} >= {"kvmesh.scheduler", "kvmesh.routed_prefix_pages"}
 
     # kvmesh.forward: one span per worker step, in the worker's own trace, linked to the request.
     forwards = receiver.linked_forwards(trace_id)
@@ -151,15 +157,22 @@ def test_after_traffic_every_service_exports_the_metrics_that_moved(mesh):
     labels = {l.get("model_name") for samples in router.values() for l, _ in samples}
     assert "no-such-model" not in labels  # the label set holds served pools only
 
-    scheduler = scrape(mesh.child("scheduler").http)
+    schedulers = [scrape(mesh.child(f"scheduler-{i}").http) for i in range(2)]
+
+    def summed(name, **labels):
+        return sum(total(scheduler, name, **labels) for scheduler in schedulers)
+
     for histogram in ("kvmesh_step_duration_seconds", "kvmesh_batch_size", "kvmesh_step_tokens"):
-        assert total(scheduler, histogram + "_count") > 0, histogram
-    assert total(scheduler, "kvmesh_prefix_cache_queries_total") > 0
-    assert total(scheduler, "kvmesh_prefix_cache_hits_total") > 0  # later questions reuse the shared pages
-    for gauge in ("kvmesh_num_requests_running", "kvmesh_num_requests_waiting", "kvmesh_estimated_token_queue"):
-        assert len(scheduler[gauge]) == 2 and total(scheduler, gauge) == 0, gauge
-    assert len(scheduler["kvmesh_kv_pages_held_by_finished_requests"]) == 2
-    assert total(scheduler, "kvmesh_kv_pages_held_by_finished_requests") == 0
+        assert summed(histogram + "_count") > 0, histogram
+    assert summed("kvmesh_prefix_cache_queries_total") > 0
+    assert summed("kvmesh_prefix_cache_hits_total") > 0  # later questions reuse the shared pages
+    for scheduler in schedulers:  # each drives the one worker it owns
+        for gauge in ("kvmesh_num_requests_running", "kvmesh_num_requests_waiting", "kvmesh_estimated_token_queue",
+                      "kvmesh_kv_pages_held_by_finished_requests"):
+            assert len(scheduler[gauge]) == 1 and total(scheduler, gauge) == 0, gauge
+    # Every request was looked up to choose its scheduler (these six at once: before their shared pages existed).
+    assert total(router, "kvmesh_router_prefix_lookups_total") >= 6
+    assert total(router, "kvmesh_router_prefix_lookups_total", outcome="unavailable") == 0
 
     kvcache = scrape(mesh.child("kvcache").http)
     workers = {labels["worker"] for labels, _ in kvcache["kvmesh_kv_pages_capacity"]}

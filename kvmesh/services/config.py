@@ -237,7 +237,7 @@ class SchedulerServiceConfig:
 class KVCacheServiceConfig:
     port: int = dataclasses.field(default=50053, metadata=_help("gRPC port (0: pick a free one)"))
     metrics_port: int = dataclasses.field(default=9103, metadata=_help("Prometheus /metrics HTTP port (0: pick a free one; -1: off)"))
-    max_pages_per_worker: int = dataclasses.field(default=1 << 20, metadata=_help("the largest KV pool (in pages) a worker may report; Apply refuses more (about 80 bytes of accounting per page)"))
+    max_pages_per_worker: int = dataclasses.field(default=1 << 20, metadata=_help("the largest KV pool (in pages) a worker may report; Publish refuses more (its prefix index costs about 100 bytes per indexed page)"))
 
     def __post_init__(self):
         if self.max_pages_per_worker < 1:
@@ -258,6 +258,9 @@ class RouterConfig:
     tls_key: str = dataclasses.field(default="", metadata=_help("TLS on the public ports: the private key of --tls-cert (PEM)"))
     max_request_bytes: int = dataclasses.field(default=8 << 20, metadata=_help("largest request body (HTTP, then 413) or message (gRPC, then RESOURCE_EXHAUSTED)"))
     max_prompt_chars: int = dataclasses.field(default=1 << 20, metadata=_help("longest prompt text, all chat messages together, in characters; checked before tokenizing (400 above it)"))
+    scheduler_choice: str = dataclasses.field(default="kv", metadata=_help("which scheduler of a pool with several takes a request: kv (the one whose worker holds the longest cached prefix of the prompt, weighed against the work this router has in flight there; docs/kvcache.md) or round-robin"))
+    route_balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("scheduler choice's balance guard: only schedulers whose in-flight work is within max(route_balance_slack_pages, this x the least loaded one's) of it are candidates, so a hot prefix spreads"))
+    route_balance_slack_pages: float = dataclasses.field(default=64.0, metadata=_help("scheduler choice's balance guard: the smallest allowed gap, in pages of work"))
     resume_timeout_s: float = dataclasses.field(default=30.0, metadata=_help("a request whose scheduler or worker died is resubmitted (with the tokens already streamed) to a live scheduler, retried with backoff for this long, then UNAVAILABLE"))
 
     def __post_init__(self):
@@ -276,6 +279,11 @@ class RouterConfig:
             raise ValueError(f"no_worker_wait_s must be >= 0, got {self.no_worker_wait_s}")
         if self.resume_timeout_s < 0:
             raise ValueError(f"resume_timeout_s must be >= 0, got {self.resume_timeout_s}")
+        if self.scheduler_choice not in ("kv", "round-robin"):
+            raise ValueError(f"scheduler_choice must be kv or round-robin, got {self.scheduler_choice!r}")
+        if self.route_balance_ratio < 0 or self.route_balance_slack_pages < 0:
+            raise ValueError(f"route_balance_ratio and route_balance_slack_pages must be >= 0, "
+                             f"got {self.route_balance_ratio} and {self.route_balance_slack_pages}")
         if self.max_request_bytes < 1024 or self.max_prompt_chars < 1:
             raise ValueError(f"max_request_bytes must be >= 1024 and max_prompt_chars >= 1, "
                              f"got {self.max_request_bytes} and {self.max_prompt_chars}")

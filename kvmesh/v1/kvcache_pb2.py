@@ -24,27 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/kvcache.proto\x12\tkvmesh.v1\"\xd7\x01\n\x06PageOp\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.kvmesh.v1.PageOp.Kind\x12\x0e\n\x06seq_id\x18\x02 \x01(\t\x12\x10\n\x08page_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\"I\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04OPEN\x10\x01\x12\x08\n\x04GROW\x10\x02\x12\n\n\x06\x43OMMIT\x10\x03\x12\x0b\n\x07RELEASE\x10\x04\"\x9b\x01\n\x0c\x41pplyRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x1e\n\x03ops\x18\x05 \x03(\x0b\x32\x11.kvmesh.v1.PageOp\x12\x0e\n\x06\x66orget\x18\x06 \x01(\x08\x12\x13\n\x0blease_token\x18( \x01(\x04\"!\n\rApplyResponse\x12\x10\n\x08\x64iverged\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"s\n\x0bWorkerPages\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x12\n\nused_pages\x18\x04 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\r\"8\n\rStatsResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerPages2\x81\x01\n\x07KVCache\x12:\n\x05\x41pply\x12\x17.kvmesh.v1.ApplyRequest\x1a\x18.kvmesh.v1.ApplyResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/kvcache.proto\x12\tkvmesh.v1\"8\n\nPageCounts\x12\x0c\n\x04used\x18\x01 \x01(\r\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\r\"\xd2\x01\n\x0ePublishRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x13\n\x0blease_token\x18\x05 \x01(\x04\x12\x0e\n\x06stored\x18\x06 \x03(\x0c\x12\x0f\n\x07\x65victed\x18\x07 \x03(\x0c\x12\x0c\n\x04\x66ull\x18\x08 \x01(\x08\x12\x0e\n\x06\x66orget\x18\t \x01(\x08\x12$\n\x05pages\x18\n \x01(\x0b\x32\x15.kvmesh.v1.PageCounts\"!\n\x0fPublishResponse\x12\x0e\n\x06resync\x18\x01 \x01(\x08\"\x1f\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"?\n\x0cWorkerPrefix\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\":\n\x0eLookupResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.WorkerPrefix\"\x0e\n\x0cStatsRequest\"\x8a\x01\n\x0bWorkerPages\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x12\n\nused_pages\x18\x04 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\r\x12\x15\n\rindexed_pages\x18\x06 \x01(\r\"8\n\rStatsResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerPages2\xc6\x01\n\x07KVCache\x12@\n\x07Publish\x12\x19.kvmesh.v1.PublishRequest\x1a\x1a.kvmesh.v1.PublishResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.kvcache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAGEOP']._serialized_start=39
-  _globals['_PAGEOP']._serialized_end=254
-  _globals['_PAGEOP_KIND']._serialized_start=181
-  _globals['_PAGEOP_KIND']._serialized_end=254
-  _globals['_APPLYREQUEST']._serialized_start=257
-  _globals['_APPLYREQUEST']._serialized_end=412
-  _globals['_APPLYRESPONSE']._serialized_start=414
-  _globals['_APPLYRESPONSE']._serialized_end=447
-  _globals['_STATSREQUEST']._serialized_start=449
-  _globals['_STATSREQUEST']._serialized_end=463
-  _globals['_WORKERPAGES']._serialized_start=465
-  _globals['_WORKERPAGES']._serialized_end=580
-  _globals['_STATSRESPONSE']._serialized_start=582
-  _globals['_STATSRESPONSE']._serialized_end=638
-  _globals['_KVCACHE']._serialized_start=641
-  _globals['_KVCACHE']._serialized_end=770
+  _globals['_PAGECOUNTS']._serialized_start=38
+  _globals['_PAGECOUNTS']._serialized_end=94
+  _globals['_PUBLISHREQUEST']._serialized_start=97
+  _globals['_PUBLISHREQUEST']._serialized_end=307
+  _globals['_PUBLISHRESPONSE']._serialized_start=309
+  _globals['_PUBLISHRESPONSE']._serialized_end=342
+  _globals['_LOOKUPREQUEST']._serialized_start=344
+  _globals['_LOOKUPREQUEST']._serialized_end=375
+  _globals['_WORKERPREFIX']._serialized_start=377
+  _globals['_WORKERPREFIX']._serialized_end=440
+  _globals['_LOOKUPRESPONSE']._serialized_start=442
+  _globals['_LOOKUPRESPONSE']._serialized_end=500
+  _globals['_STATSREQUEST']._serialized_start=502
+  _globals['_STATSREQUEST']._serialized_end=516
+  _globals['_WORKERPAGES']._serialized_start=519
+  _globals['_WORKERPAGES']._serialized_end=657
+  _globals['_STATSRESPONSE']._serialized_start=659
+  _globals['_STATSRESPONSE']._serialized_end=715
+  _globals['_KVCACHE']._serialized_start=718
+  _globals['_KVCACHE']._serialized_end=916
 # @@protoc_insertion_point(module_scope)

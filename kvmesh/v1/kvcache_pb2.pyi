@@ -1,5 +1,4 @@
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,75 +6,87 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class PageOp(_message.Message):
-    __slots__ = ("kind", "seq_id", "page_ids", "num_tokens", "token_ids", "traceparent")
-    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-        __slots__ = ()
-        KIND_UNSPECIFIED: _ClassVar[PageOp.Kind]
-        OPEN: _ClassVar[PageOp.Kind]
-        GROW: _ClassVar[PageOp.Kind]
-        COMMIT: _ClassVar[PageOp.Kind]
-        RELEASE: _ClassVar[PageOp.Kind]
-    KIND_UNSPECIFIED: PageOp.Kind
-    OPEN: PageOp.Kind
-    GROW: PageOp.Kind
-    COMMIT: PageOp.Kind
-    RELEASE: PageOp.Kind
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
-    kind: PageOp.Kind
-    seq_id: str
-    page_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_tokens: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    traceparent: str
-    def __init__(self, kind: _Optional[_Union[PageOp.Kind, str]] = ..., seq_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+class PageCounts(_message.Message):
+    __slots__ = ("used", "free", "cached")
+    USED_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    used: int
+    free: int
+    cached: int
+    def __init__(self, used: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ...) -> None: ...
 
-class ApplyRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "ops", "forget", "lease_token")
+class PublishRequest(_message.Message):
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "lease_token", "stored", "evicted", "full", "forget", "pages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
-    OPS_FIELD_NUMBER: _ClassVar[int]
-    FORGET_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    FORGET_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_pages: int
     page_size: int
-    ops: _containers.RepeatedCompositeFieldContainer[PageOp]
-    forget: bool
     lease_token: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[PageOp, _Mapping]]] = ..., forget: _Optional[bool] = ..., lease_token: _Optional[int] = ...) -> None: ...
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    evicted: _containers.RepeatedScalarFieldContainer[bytes]
+    full: bool
+    forget: bool
+    pages: PageCounts
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., lease_token: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., evicted: _Optional[_Iterable[bytes]] = ..., full: _Optional[bool] = ..., forget: _Optional[bool] = ..., pages: _Optional[_Union[PageCounts, _Mapping]] = ...) -> None: ...
 
-class ApplyResponse(_message.Message):
-    __slots__ = ("diverged",)
-    DIVERGED_FIELD_NUMBER: _ClassVar[int]
-    diverged: bool
-    def __init__(self, diverged: _Optional[bool] = ...) -> None: ...
+class PublishResponse(_message.Message):
+    __slots__ = ("resync",)
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    resync: bool
+    def __init__(self, resync: _Optional[bool] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class WorkerPrefix(_message.Message):
+    __slots__ = ("worker_id", "pages", "epoch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    pages: int
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., pages: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerPrefix]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerPrefix, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerPages(_message.Message):
-    __slots__ = ("worker_id", "total_pages", "free_pages", "used_pages", "cached_pages")
+    __slots__ = ("worker_id", "total_pages", "free_pages", "used_pages", "cached_pages", "indexed_pages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     USED_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_PAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     total_pages: int
     free_pages: int
     used_pages: int
     cached_pages: int
-    def __init__(self, worker_id: _Optional[str] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ...) -> None: ...
+    indexed_pages: int
+    def __init__(self, worker_id: _Optional[str] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., indexed_pages: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("workers",)

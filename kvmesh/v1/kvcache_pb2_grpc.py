@@ -34,10 +34,15 @@ class KVCacheStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Apply = channel.unary_unary(
-                '/kvmesh.v1.KVCache/Apply',
-                request_serializer=kvmesh_dot_v1_dot_kvcache__pb2.ApplyRequest.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_kvcache__pb2.ApplyResponse.FromString,
+        self.Publish = channel.unary_unary(
+                '/kvmesh.v1.KVCache/Publish',
+                request_serializer=kvmesh_dot_v1_dot_kvcache__pb2.PublishRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvcache__pb2.PublishResponse.FromString,
+                _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/kvmesh.v1.KVCache/Lookup',
+                request_serializer=kvmesh_dot_v1_dot_kvcache__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvcache__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvmesh.v1.KVCache/Stats',
@@ -49,10 +54,18 @@ class KVCacheStub:
 class KVCacheServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Apply(self, request, context):
-        """Applies one step's page operations for one worker, in order. The scheduler decides with
-        its own replica of the same deterministic page pool; this service keeps the authoritative
-        copy (stats, prefix index in Redis) and checks that both agree.
+    def Publish(self, request, context):
+        """One scheduler's page events for one worker it owns, batched after its steps (write-behind,
+        off the per-token path): the prefix-index pages stored and evicted since its last call, and
+        the pool's page counts. The scheduler decides every page; kvcache keeps the cluster-wide
+        prefix index from these events (mirrored to Redis, fenced by worker epoch and lease token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """For each worker whose prefix index holds some: how many leading pages of a prompt it holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -67,10 +80,15 @@ class KVCacheServicer:
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Apply': grpc.unary_unary_rpc_method_handler(
-                    servicer.Apply,
-                    request_deserializer=kvmesh_dot_v1_dot_kvcache__pb2.ApplyRequest.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_kvcache__pb2.ApplyResponse.SerializeToString,
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=kvmesh_dot_v1_dot_kvcache__pb2.PublishRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvcache__pb2.PublishResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=kvmesh_dot_v1_dot_kvcache__pb2.LookupRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvcache__pb2.LookupResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -89,7 +107,7 @@ class KVCache:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Apply(request,
+    def Publish(request,
             target,
             options=(),
             channel_credentials=None,
@@ -102,9 +120,36 @@ class KVCache:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvmesh.v1.KVCache/Apply',
-            kvmesh_dot_v1_dot_kvcache__pb2.ApplyRequest.SerializeToString,
-            kvmesh_dot_v1_dot_kvcache__pb2.ApplyResponse.FromString,
+            '/kvmesh.v1.KVCache/Publish',
+            kvmesh_dot_v1_dot_kvcache__pb2.PublishRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvcache__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVCache/Lookup',
+            kvmesh_dot_v1_dot_kvcache__pb2.LookupRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvcache__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

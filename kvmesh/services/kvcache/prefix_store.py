@@ -5,7 +5,7 @@ worker's epoch when the page was cached. Readers count an entry only when its ep
 worker's live epoch (from the registry), so a restarted worker's old pages are never used;
 the kvcache service deletes a worker's whole key when it sees a new epoch or the worker is
 gone. Entries leave as pages are evicted, so the copy stays as small as the caches. The
-kvcache service writes it once per Apply (one pipeline), never per token.
+kvcache service writes it once per Publish (one pipeline), never per token.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class PrefixStore:
         self.redis = redis
 
     async def apply(self, worker_id: str, epoch: int, changes: list[tuple[bool, bytes]], purge: bool = False) -> None:
-        """Writes one Apply's index changes (added or removed hashes) in a single round trip."""
+        """Writes one Publish's index changes (added or removed hashes) in a single round trip."""
         if not changes and not purge:
             return
         key = prefix_key(worker_id)

@@ -1,13 +1,16 @@
-"""The kvcache service: the authoritative page accounting of every worker, and its statistics.
+"""The kvcache service: the cluster-wide prefix index, fed by the schedulers' page events.
 
-`Apply` takes one step's page operations for one worker (see replica.py) and replays them;
-a new epoch (the worker restarted), a new owner (a scheduler that adopted the worker: a higher
-lease token) or `forget` (the worker is gone) drops that worker's pages.
-`Stats` answers per worker: total, free, used and cached pages.
+Each scheduler owns the pages of its workers and decides them on the per-step path; after its
+steps it `Publish`es, per worker, the page hashes that entered and left the worker's prefix index
+and the pool's page counts. This service keeps every worker's index (kvcache/index.py), answers
+`Lookup` (per worker, the leading pages of a prompt it holds: what the router routes by) and
+`Stats` (the counts last published), and mirrors the index to Redis. A new epoch (the worker
+restarted), a new owner (a higher lease token) or `forget` (the worker is gone) starts a worker's
+index over. An index it does not hold (after its own restart, or a call lost on the way) is
+asked for whole (`resync`), so it is rebuilt from its owner, never guessed.
 
-The accounting here is the owner of the prefix index; Redis holds a copy for the routers. When
-a write to it fails (Redis down) the copy is marked stale and written whole again once Redis
-answers, as it is when Redis comes back empty.
+When a write to Redis fails (Redis down) the copy there is marked stale and written whole again
+once Redis answers, as it is when Redis comes back empty.
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from kvmesh.metrics import KVCacheMetrics, serve_metrics
 from kvmesh.params import InvalidRequest
 from kvmesh.services.config import CommonConfig, KVCacheServiceConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
-from kvmesh.services.kvcache.pages import PagePool
+from kvmesh.services.kvcache.index import HASH_BYTES, WorkerIndex, check_lookup, check_publish
 from kvmesh.services.kvcache.prefix_store import PrefixStore
-from kvmesh.services.kvcache.replica import Op, apply_ops, check_apply
 from kvmesh.services.registry import Registry
 from kvmesh.services.tls import mesh_server_credentials
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
@@ -34,21 +36,20 @@ log = logging.getLogger("kvmesh.kvcache")
 
 
 class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
-    """Apply: one step's page operations for one worker, replayed in order; the prefix index
-    changes they cause are mirrored to Redis in one pipeline. A new epoch or `forget` drops the
-    worker's pages and purges its Redis entries. Stats: pages per worker.
+    """Publish: one scheduler's page events for one worker; the index changes are mirrored to
+    Redis in one pipeline. Lookup: per worker, the leading pages of a prompt its index holds.
+    Stats: per worker, the page counts its owner last published.
 
-    Apply bounds what it takes before it allocates anything: INVALID_ARGUMENT (naming the field
-    and the limit) for a pool over `max_pages_per_worker` pages, too many operations or a page
-    outside the pool; FAILED_PRECONDITION for a new epoch that the worker's registry record does
-    not show with that page count (so accounting exists only for registered workers), and for a
-    lease token below the one seen for this worker and epoch (a scheduler that lost the worker;
-    its `forget` is ignored). Operations that do not fit the pool's state count as a divergence
-    (`diverged`), never as a crash."""
+    Publish bounds what it takes before it keeps anything: INVALID_ARGUMENT (naming the field and
+    the limit) for a pool over `max_pages_per_worker` pages, more hashes than pages, a malformed
+    hash or page counts that do not add up; FAILED_PRECONDITION for a new epoch that the worker's
+    registry record does not show with that page count (so an index exists only for registered
+    workers), and for a lease token below the one seen for this worker and epoch (a scheduler that
+    lost the worker; its `forget` is ignored)."""
 
     def __init__(self, store: PrefixStore, metrics: KVCacheMetrics | None = None, *, max_pages_per_worker: int = 1 << 20,
                  registered_worker: Callable[[str], Awaitable[dict | None]] | None = None):
-        self.pools: dict[str, tuple[int, PagePool]] = {}  # worker id -> (epoch, pool)
+        self.workers: dict[str, WorkerIndex] = {}
         self.tokens: dict[str, int] = {}  # worker id -> the lease token of its owner now
         self.store = store
         self.mirror_stale = False  # a write to Redis failed: the whole index is written again
@@ -58,69 +59,62 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         self.max_pages_per_worker = max_pages_per_worker
         self.registered_worker = registered_worker  # worker id -> its registry record (None: no check)
 
-    async def Apply(self, request, context):
-        stale_owner = request.lease_token < self.tokens.get(request.worker_id, 0)
+    async def Publish(self, request, context):
+        worker_id = request.worker_id
+        stale_owner = request.lease_token < self.tokens.get(worker_id, 0)
         if request.forget:
             if not stale_owner:
-                self.pools.pop(request.worker_id, None)
-                self.tokens.pop(request.worker_id, None)
-                self.metrics.forget(request.worker_id)
-                await self._mirror(request.worker_id, 0, [], purge=True)
-            return kvcache_pb2.ApplyResponse()
+                self.workers.pop(worker_id, None)
+                self.tokens.pop(worker_id, None)
+                self.metrics.forget(worker_id)
+                await self._mirror(worker_id, 0, [], purge=True)
+            return kvcache_pb2.PublishResponse()
         try:
-            check_apply(request, self.max_pages_per_worker)
+            check_publish(request, self.max_pages_per_worker)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        epoch, pool = self.pools.get(request.worker_id, (None, None))
-        if stale_owner and epoch == request.epoch:
+        index = self.workers.get(worker_id)
+        if stale_owner and index is not None and index.epoch == request.epoch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"lease_token: {request.lease_token} is stale, worker {request.worker_id!r} is owned "
-                                f"with token {self.tokens[request.worker_id]}")
-        new_epoch = epoch != request.epoch or request.lease_token != self.tokens.get(request.worker_id, 0)
-        if not new_epoch and request.num_pages != pool.num_pages:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"num_pages: worker {request.worker_id!r} has {pool.num_pages} pages at epoch {epoch}, "
-                                f"got {request.num_pages}")
-        if new_epoch:
-            if (mismatch := await self._unregistered(request)) is not None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
-            pool = PagePool(request.num_pages, request.page_size)
-            pool.index_changes = []
-            self.pools[request.worker_id] = (request.epoch, pool)
-            self.tokens[request.worker_id] = request.lease_token
-        diverged = self._apply_traced(request.worker_id, pool, request.ops)
-        changes, pool.index_changes = pool.index_changes, []
-        if diverged:
-            log.error("page replica of worker %s diverged; dropping it until the next epoch", request.worker_id)
-            self.pools.pop(request.worker_id)
-            changes, new_epoch = [], True
+                                f"lease_token: {request.lease_token} is stale, worker {worker_id!r} is owned "
+                                f"with token {self.tokens[worker_id]}")
+        current = (index is not None and index.epoch == request.epoch and index.lease_token == request.lease_token
+                   and index.num_pages == request.num_pages)
+        if not request.full:
+            if not current:
+                return kvcache_pb2.PublishResponse(resync=True)  # nothing applied: the whole index comes next
+            changes = index.apply(request.stored, request.evicted)
+            purge = False
         else:
-            st = pool.stats()
-            self.metrics.set_pages(request.worker_id, st.total, st.used, st.free, st.cached)
-        await self._mirror(request.worker_id, request.epoch, changes, purge=new_epoch)
-        return kvcache_pb2.ApplyResponse(diverged=diverged)
+            if not current and (mismatch := await self._unregistered(request)) is not None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
+            index = WorkerIndex(request.epoch, request.lease_token, request.num_pages, request.page_size)
+            changes = index.apply(request.stored, ())
+            self.workers[worker_id] = index
+            self.tokens[worker_id] = request.lease_token
+            purge = True
+        index.pages.CopyFrom(request.pages)
+        p = request.pages
+        self.metrics.set_pages(worker_id, request.num_pages, p.used, p.free, p.cached)
+        await self._mirror(worker_id, request.epoch, changes, purge=purge)
+        return kvcache_pb2.PublishResponse()
 
-    def _apply_traced(self, worker_id: str, pool: PagePool, ops) -> bool:
-        """apply_ops, with a `kvmesh.kv.open` / `kvmesh.kv.release` span for each traced request's
-        OPEN and RELEASE (its pages taken with the shared prefix, and given back)."""
-        if not any(op.traceparent for op in ops):
-            return apply_ops(pool, ops)
-        for i, op in enumerate(ops):
-            if not op.traceparent or op.kind not in (Op.OPEN, Op.RELEASE):
-                if apply_ops(pool, ops[i:i + 1]):
-                    return True
-                continue
-            table = pool.tables.get(op.seq_id)
-            held = len(table.page_ids) if op.kind == Op.RELEASE and table else len(op.page_ids)
-            name = "kvmesh.kv.open" if op.kind == Op.OPEN else "kvmesh.kv.release"
-            attributes = {"kvmesh.worker_id": worker_id, "kvmesh.request_id": op.seq_id,
-                          ("kvmesh.prefix_pages" if op.kind == Op.OPEN else "kvmesh.pages"): held}
-            with self.tracer.start_as_current_span(name, context=telemetry.context_from_traceparent(op.traceparent),
-                                                   attributes=attributes) as span:
-                apply_ops(pool, ops[i:i + 1])
-                st = pool.stats()
-                span.set_attributes({"kvmesh.free_pages": st.free, "kvmesh.cached_pages": st.cached})
-        return False
+    async def Lookup(self, request, context):
+        try:
+            check_lookup(request)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        hashes = list(request.hashes)
+        with self.tracer.start_as_current_span(
+                "kvmesh.kv.lookup", context=telemetry.context_from_metadata(context.invocation_metadata()),
+                attributes={"kvmesh.prompt_pages": len(hashes)}) as span:
+            found = []
+            for worker_id, index in sorted(self.workers.items()):
+                n = index.leading(hashes)
+                if n:
+                    found.append(kvcache_pb2.WorkerPrefix(worker_id=worker_id, pages=n, epoch=index.epoch))
+            span.set_attribute("kvmesh.best_prefix_pages", max((w.pages for w in found), default=0))
+        return kvcache_pb2.LookupResponse(workers=found)
 
     async def _unregistered(self, request) -> str | None:
         """Why a new epoch's pool is not created, or None: the worker's live registry record must
@@ -129,7 +123,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             return None
         try:
             record = await self.registered_worker(request.worker_id)
-        except Exception as e:  # Redis down: nothing to check against; the next Apply asks again
+        except Exception as e:  # Redis down: nothing to check against; the next Publish asks again
             return f"cannot read the registry record of worker {request.worker_id!r}: {e}"
         if record is None:
             return f"worker {request.worker_id!r} is not registered"
@@ -154,7 +148,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         async with self._mirror_lock:
             # Changes after this snapshot wait for the lock and are written after it.
             self.mirror_stale = False
-            snapshot = {w: (epoch, list(pool.index)) for w, (epoch, pool) in self.pools.items()}
+            snapshot = {w: (index.epoch, list(index.hashes)) for w, index in self.workers.items()}
             try:
                 await self.store.rewrite(snapshot)
             except Exception:
@@ -177,10 +171,11 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
 
     async def Stats(self, request, context):
         workers = []
-        for worker_id, (_, pool) in sorted(self.pools.items()):
-            s = pool.stats()
-            workers.append(kvcache_pb2.WorkerPages(worker_id=worker_id, total_pages=s.total, free_pages=s.free,
-                                                   used_pages=s.used, cached_pages=s.cached))
+        for worker_id, index in sorted(self.workers.items()):
+            p = index.pages
+            workers.append(kvcache_pb2.WorkerPages(worker_id=worker_id, total_pages=index.num_pages, free_pages=p.free,
+                                                   used_pages=p.used, cached_pages=p.cached,
+                                                   indexed_pages=len(index.hashes)))
         return kvcache_pb2.StatsResponse(workers=workers)
 
 
@@ -190,8 +185,10 @@ async def serve(common: CommonConfig, cfg: KVCacheServiceConfig) -> None:
     registry = Registry(common.redis_url)
     service = KVCacheService(PrefixStore(registry.redis), max_pages_per_worker=cfg.max_pages_per_worker,
                              registered_worker=lambda worker_id: registry.record("worker", worker_id))
+    # A whole index (a resync) is one message: up to two hashes (stored, evicted) per page, framed.
+    max_message = 2 * cfg.max_pages_per_worker * (HASH_BYTES + 3) + (1 << 20)
     server = ServiceServer(["kvmesh.v1.KVCache"], lambda s: kvcache_pb2_grpc.add_KVCacheServicer_to_server(service, s),
-                           common.host, cfg.port, mesh_server_credentials(common))
+                           common.host, cfg.port, mesh_server_credentials(common), max_message_bytes=max_message)
     await server.start()
     address = advertised_address(common, server.port)
 

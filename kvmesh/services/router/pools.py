@@ -68,6 +68,8 @@ class Pool:
     channels: dict = field(default_factory=dict)  # id(stub) -> its channel, to skip one that failed
     _by_address: dict = field(default_factory=dict)  # address -> (channel, stub): stubs kept across rounds
     kv_tokens: int | None = None  # tokens the smallest ready worker's KV pool holds (None: not known yet)
+    page_size: int = 0  # its workers' KV page size (0: not known yet)
+    owners: dict = field(default_factory=dict)  # worker id -> (its scheduler's address, the worker's epoch)
 
     @classmethod
     def load(cls, name: str, folder: str, aliases: tuple[str, ...] = ()) -> "Pool":
@@ -101,6 +103,17 @@ class Pool:
         if self.kv_tokens is not None:
             room = min(room, self.kv_tokens - prompt_tokens)
         return room
+
+    def scheduler_at(self, address: str):
+        """The stub of the live scheduler at `address`, None when it is not one (or its connection just failed)."""
+        known = self._by_address.get(address)
+        if known is None or known[0].get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            return None
+        return known[1]
+
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        return list(self._by_address)
 
     def next_scheduler(self):
         """Round-robin over the live schedulers, passing over one whose connection just failed (a

@@ -23,13 +23,16 @@ from kvmesh.params import MAX_CHOICES, InvalidRequest, validate_request, validat
 from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, RouterConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
+from kvmesh.services.kvcache.pages import prefix_hashes
 from kvmesh.services.registry import Registry, kv_tokens, pool_of, ready_versions
 from kvmesh.services.router.limits import Admission, KeyLimiter, KeyLimits, LimitExceeded
 from kvmesh.services.router.output import ChoiceOutput, alternatives, prompt_tokens
 from kvmesh.services.router.pools import Pool, parse_models, served_names
+from kvmesh.services.router.prefix_routing import LOOKUP_TIMEOUT_S, SchedulerChoice
+from kvmesh.services.scheduler.placement import PlacementConfig
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
 from kvmesh.v1 import generation_pb2 as gen
-from kvmesh.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvmesh.v1 import generation_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("kvmesh.router")
 MAX_STOP_STRINGS = 16
@@ -90,6 +93,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                  identity: MeshIdentity | None = None):
         self.cfg = cfg
         self.schedulers = RegisteredPeers(identity, "scheduler")  # mTLS to them when the mesh has an identity
+        self.kvcaches = RegisteredPeers(identity, "kvcache")
+        self.kvcache: kvcache_pb2_grpc.KVCacheStub | None = None  # the prefix index to route by
+        self.choice = SchedulerChoice(PlacementConfig(balance_ratio=cfg.route_balance_ratio,
+                                                      balance_slack_pages=cfg.route_balance_slack_pages))
         self.keys = cfg.key_book()
         self.limiter = limiter
         self.metrics = metrics or RouterMetrics()
@@ -123,7 +130,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     async def _read_pools(self) -> None:
         schedulers = await self.registry.services("scheduler")
         workers = await self.registry.services("worker")
-        owners = {lease[0] for lease in (await self.registry.worker_owners([w["id"] for w in workers])).values()}
+        leases = await self.registry.worker_owners([w["id"] for w in workers])
+        owners = {lease[0] for lease in leases.values()}
+        if self.cfg.scheduler_choice == "kv":
+            kv = await self.kvcaches.channels([r["address"] for r in await self.registry.services("kvcache")])
+            self.kvcache = kvcache_pb2_grpc.KVCacheStub(kv[0][1]) if kv else None
         verified = dict(await self.schedulers.channels([r["address"] for r in schedulers]))
         for pool in self.pools.values():
             addresses = [r["address"] for r in schedulers if pool_of(r) == pool.name and r["address"] in verified]
@@ -133,6 +144,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                                 scheduler_pb2_grpc.SchedulerStub)
             pool.versions = ready_versions(workers, pool.name)
             pool.kv_tokens = kv_tokens(workers, pool.name)
+            pool.page_size = next((int(w.get("page_size", 16)) for w in workers if pool_of(w) == pool.name), 0)
+            pool.owners = {w["id"]: (leases[w["id"]][0], w.get("epoch")) for w in workers
+                           if pool_of(w) == pool.name and w["id"] in leases}
             pool.rollout = await self._rollout(pool.name)
 
     @property
@@ -335,7 +349,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         span.set_attribute("kvmesh.prompt_tokens", len(submit.prompt_token_ids))
         span.set_attribute("kvmesh.max_new_tokens", submit.stopping.max_new_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
-        scheduler = pool.next_scheduler()  # one for all choices: the first one's prompt pages serve the others
+        # One scheduler for all choices: the first one's prompt pages serve the others.
+        scheduler, routed = (None, None) if resume_from is not None else await self._route(pool, submit, max(1, request.n), span)
         choices = [self._choice(pool, scheduler, request, self._choice_submit(submit, i, request.sampling), i,
                                 resume_from, deadline, span, started, admission) for i in range(max(1, request.n))]
         merged = choices[0] if len(choices) == 1 else _after_first(choices)
@@ -344,6 +359,42 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 yield out
         finally:
             await merged.aclose()  # at once: cancels what still runs upstream
+            if routed is not None:
+                routed()
+
+    async def _route(self, pool: Pool, submit, choices: int, span):
+        """(scheduler stub, what to call when the request ends) for a new request of `choices`
+        completions: by prefix and load when the pool has several schedulers (prefix_routing.py)."""
+        addresses = [a for a in pool.scheduler_addresses if pool.scheduler_at(a) is not None]
+        if self.cfg.scheduler_choice != "kv" or len(addresses) < 2 or not pool.page_size:
+            return pool.next_scheduler(), None
+        hashes = prefix_hashes(list(submit.prompt_token_ids), pool.page_size)
+        held = await self._prefix_holders(pool, hashes, span) if hashes else {}
+        address, prefix = self.choice.choose(addresses, hashes, held, pool.page_size)
+        span.set_attributes({"kvmesh.scheduler": address, "kvmesh.routed_prefix_pages": prefix})
+        work = len(submit.prompt_token_ids) - prefix * pool.page_size + choices * submit.stopping.max_new_tokens
+        return pool.scheduler_at(address), self.choice.start(address, hashes, work)
+
+    async def _prefix_holders(self, pool: Pool, hashes: list[bytes], span) -> dict[str, int]:
+        """Scheduler address -> the most leading pages of `hashes` one of its workers holds at its
+        live epoch, from kvcache's prefix index; {} when kvcache cannot answer in time."""
+        if self.kvcache is None:
+            self.metrics.prefix_lookups.labels(pool.name, "unavailable").inc()
+            return {}
+        try:
+            found = await self.kvcache.Lookup(kvcache_pb2.LookupRequest(hashes=hashes), timeout=LOOKUP_TIMEOUT_S,
+                                              metadata=telemetry.metadata_with_context(span))
+        except grpc.aio.AioRpcError as e:
+            self.metrics.prefix_lookups.labels(pool.name, "unavailable").inc()
+            log.debug("prefix lookup failed (%s): routing by load", e.code().name)
+            return {}
+        held: dict[str, int] = {}
+        for w in found.workers:
+            owner, epoch = pool.owners.get(w.worker_id, (None, None))
+            if owner is not None and epoch == w.epoch:
+                held[owner] = max(held.get(owner, 0), w.pages)
+        self.metrics.prefix_lookups.labels(pool.name, "hit" if held else "miss").inc()
+        return held
 
     def _choice_submit(self, submit: scheduler_pb2.SubmitRequest, i: int, asked) -> scheduler_pb2.SubmitRequest:
         """Choice i's request: its own id and seed (derived from the request's seed when one was

@@ -3,7 +3,7 @@
 A pool may have several schedulers. Each worker is owned by exactly one of them, the holder of
 the worker's lease (SET NX PX in Redis, renewed every third of its TTL). Taking a lease gives a
 fencing token, larger than any before it for that worker; the scheduler sends it with its Step
-stream and its page operations, and the worker and kvcache refuse a lower token than they have
+stream and its page events, and the worker and kvcache refuse a lower token than they have
 seen, so a scheduler that lost its lease (paused past the TTL, cut off) cannot drive the worker
 or touch its accounting any more. When a scheduler dies its leases expire and the survivors adopt
 its workers; when Redis is down nobody can take a lease, so every owner goes on driving its

@@ -1,9 +1,10 @@
 """One worker's continuous batching loop, as the scheduler runs it.
 
-A `WorkerLoop` holds the worker's page-pool replica and the scheduler core, and drives one
-long-lived `Worker/Step` stream: one round trip per step. After each step it hands tokens to the
-requests' streams and ships the step's page operations to the kvcache service in one write-behind
-call. When the stream breaks it hands its requests to `on_gone` (the service moves them to other
+A `WorkerLoop` holds the worker's page pool (this scheduler owns the worker's pages) and the
+scheduler core, and drives one long-lived `Worker/Step` stream: one round trip per step. After
+each step it hands tokens to the requests' streams, and its publisher sends the step's page
+events (prefix-index changes, page counts) to the kvcache service write-behind (kv_events.py).
+When the stream breaks it hands its requests to `on_gone` (the service moves them to other
 workers), and fails with an ERROR finish only those nobody can take.
 """
 
@@ -20,13 +21,13 @@ import grpc
 from kvmesh.metrics import SchedulerMetrics
 from kvmesh.services import wire
 from kvmesh.services.config import SchedulerServiceConfig
-from kvmesh.services.kvcache.replica import RecordingPagePool
 from kvmesh.services.scheduler.core import Scheduler, TokenEvent
+from kvmesh.services.scheduler.kv_events import KVPublisher, TracedPagePool
 from kvmesh.services.scheduler.overload import Throughput, estimated_wait_s
 from kvmesh.services.scheduler.placement import WorkerView
 from kvmesh.services.scheduler.request import FinishReason, Request
 from kvmesh.step import SampledToken, StepResult
-from kvmesh.v1 import kvcache_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -58,7 +59,7 @@ class WorkerLoop:
     def __init__(self, record: dict, info: worker_pb2.WorkerInfo, cfg: SchedulerServiceConfig, kvcache,
                  metrics: SchedulerMetrics, on_gone=None, owner: str = "", lease_token: int = 0):
         self.worker_id = record["id"]
-        self.owner, self.lease_token = owner, lease_token  # our lease on the worker: sent with the stream and page ops
+        self.owner, self.lease_token = owner, lease_token  # our lease on the worker: sent with the stream and page events
         self.address = record["address"]
         self.info = info
         self.version = info.version or "v1"
@@ -68,15 +69,14 @@ class WorkerLoop:
         self.stub: worker_pb2_grpc.WorkerStub | None = None
         self.on_gone = on_gone  # (loop, reason) -> moves its requests to other workers when the worker dies
         self.health_checks: set[str] = set()  # request ids of health checks in flight (never moved)
-        self.pool = RecordingPagePool(info.num_pages, info.page_size, cfg.prefix_caching)
+        self.pool = TracedPagePool(self.worker_id, info.num_pages, info.page_size, cfg.prefix_caching)
         self.core = Scheduler(self.pool, cfg.core_config(), max_context=info.max_context or None)
-        self.kvcache = kvcache
+        self.publisher = KVPublisher(self.pool, self.worker_id, info.epoch, lease_token, kvcache)
         self.streams: dict[str, asyncio.Queue] = {}
         self.queued_hashes: Counter[bytes] = Counter()  # prompt pages of this worker's requests
         self.expected_hits: dict[str, int] = {}  # request id -> prompt tokens expected from the cache
         self.wake = asyncio.Event()
         self.alive = True
-        self._page_ops: asyncio.Queue = asyncio.Queue()
         # Cumulative seconds per part of a step: scheduling, the worker's forward pass, the rest
         # of the round trip (wire and (de)serialisation), and applying the result.
         self.timing = {"steps": 0, "schedule_s": 0.0, "forward_s": 0.0, "wire_s": 0.0, "update_s": 0.0}
@@ -135,7 +135,7 @@ class WorkerLoop:
         self.queued_hashes.subtract(hashes)
         self.queued_hashes += Counter()  # drop zero counts
         if not finished:
-            self.core.abort(request_id)  # records the RELEASE (with its trace context) before the pop below
+            self.core.abort(request_id)  # its kvmesh.kv.release span takes the trace context popped below
             self.wake.set()
         self.pool.traceparents.pop(request_id, None)
 
@@ -148,7 +148,7 @@ class WorkerLoop:
             if queue is not None:
                 moved.append((req, queue))
         self.queued_hashes.clear()
-        self._queue_ops()
+        self.publisher.after_step()
         return moved
 
     def stop(self) -> None:
@@ -158,13 +158,9 @@ class WorkerLoop:
             self.task.cancel()
 
     async def run(self, channel: grpc.aio.Channel) -> None:
-        # The kvcache's copy of this worker's pages is what an earlier loop (a scheduler that died) left:
-        # this loop's replica starts empty, as the worker does on a new step stream, so that copy starts
-        # over. With our lease token: a restarted scheduler keeps its token, and kvcache ignores a
-        # `forget` under a token lower than the one it has seen.
-        self._page_ops.put_nowait(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True,
-                                                           lease_token=self.lease_token))
-        shipper = asyncio.create_task(self._ship_page_ops())
+        # Our pool starts empty, as the worker's does on a new step stream; the publisher's first call
+        # gives kvcache this worker's whole (empty) index, replacing what an earlier loop left.
+        shipper = asyncio.create_task(self.publisher.run())
         self.stub = worker_pb2_grpc.WorkerStub(channel)
         call = self.stub.Step(metadata=((wire.LEASE_TOKEN_METADATA, str(self.lease_token)),
                                         (wire.SCHEDULER_METADATA, self.owner)))
@@ -174,7 +170,7 @@ class WorkerLoop:
         try:
             while True:
                 if not self.core.has_unfinished():
-                    self._queue_ops()
+                    self.publisher.after_step()
                     self.wake.clear()
                     pending_read = pending_read or asyncio.ensure_future(call.read())
                     woken = asyncio.ensure_future(self.wake.wait())
@@ -188,6 +184,7 @@ class WorkerLoop:
                     self.core.seq_limit = self.ramp.limit(time.monotonic())
                     self.ramp = None if self.core.seq_limit >= self.core.config.max_num_seqs else self.ramp
                 plan = self.core.schedule()
+                self.pool.trace_opened()
                 step += 1
                 self._count_admissions(plan)
                 t1 = time.perf_counter()
@@ -204,7 +201,7 @@ class WorkerLoop:
                 self._dispatch(with_logprobs(self.core.update(plan, step_result), step_result))
                 for seq_id, why in step_result.failed.items():
                     self._fail([seq_id], f"worker {self.worker_id} failed the request" + (f": {why}" if why else ""))
-                self._queue_ops()
+                self.publisher.after_step()
                 self._account(t0, t1, t2, result.forward_ms / 1000)
                 self.throughput.record(plan.num_tokens, time.perf_counter() - t0)
                 self._step_hist.observe(t2 - t1)
@@ -222,9 +219,7 @@ class WorkerLoop:
                 except Exception:
                     log.exception("moving the requests of worker %s failed", self.worker_id)
             self._fail(list(self.core.requests), f"worker {self.worker_id} failed ({reason}) and no other worker could take over")
-            await self._page_ops.put(kvcache_pb2.ApplyRequest(worker_id=self.worker_id, forget=True,
-                                                              lease_token=self.lease_token))
-            await self._page_ops.put(None)
+            self.publisher.close()
             await shipper
 
     def _account(self, t0: float, t1: float, t2: float, forward_s: float) -> None:
@@ -280,21 +275,3 @@ class WorkerLoop:
             if event is not None and queue is not None:
                 event.message = message
                 queue.put_nowait(event)
-
-    def _queue_ops(self) -> None:
-        ops = self.pool.drain()
-        if ops:
-            self._page_ops.put_nowait(kvcache_pb2.ApplyRequest(
-                worker_id=self.worker_id, epoch=self.info.epoch, num_pages=self.info.num_pages,
-                page_size=self.info.page_size, ops=ops, lease_token=self.lease_token))
-
-    async def _ship_page_ops(self) -> None:
-        """Sends page operations to kvcache in order, off the batching loop's path."""
-        while (request := await self._page_ops.get()) is not None:
-            stub = self.kvcache()
-            if stub is None:
-                continue
-            try:
-                await stub.Apply(request, timeout=5)
-            except grpc.aio.AioRpcError as e:
-                log.warning("kvcache Apply for %s failed: %s", self.worker_id, e.code())

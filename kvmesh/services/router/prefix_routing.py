@@ -1,0 +1,82 @@
+"""Which scheduler a request goes to: the one whose worker holds the longest cached prefix of its
+prompt, weighed against the work that scheduler already has (llm-d's precise prefix-cache scoring,
+with the balance guard the scheduler uses among its own workers).
+
+The router hashes the prompt's pages (the chained page hash every service uses) and asks the
+kvcache service's cluster-wide prefix index how many leading pages each worker holds (`Lookup`);
+discovery tells it which scheduler owns each worker (its Redis lease) and at which epoch the worker
+runs, so a restarted worker's old pages never count. A scheduler's prefix is its best worker's,
+or the leading pages of a prompt this router sent it that is still running there (a burst with a
+new shared prefix then follows its first request before its pages are even computed). Its load is
+the work this router has in flight there, in pages: prompt tokens to compute plus output tokens to
+come. `placement.choose_worker` then picks among schedulers as a scheduler picks among its
+workers (ties go to the scheduler this router sent fewer requests, so light traffic alternates),
+and the chosen scheduler places the request on the worker that holds the prefix.
+
+With one scheduler there is nothing to choose, and no lookup is made. The lookup is a cache
+query, never needed: when it fails or takes longer than LOOKUP_TIMEOUT_S the choice is made by
+load and this router's own in-flight prefixes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker
+
+LOOKUP_TIMEOUT_S = 0.25
+
+
+@dataclass
+class InFlight:
+    """What this router has running on one scheduler."""
+
+    tokens: int = 0  # prompt tokens to compute plus output tokens to come
+    hashes: Counter = field(default_factory=Counter)  # page hashes of their prompts
+
+
+def leading(held, hashes: list[bytes]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
+class SchedulerChoice:
+    """Chooses among a pool's schedulers (by address) and counts what this router sent each."""
+
+    def __init__(self, cfg: PlacementConfig = PlacementConfig()):
+        self.cfg = cfg
+        self.in_flight: dict[str, InFlight] = {}
+        self.sent: Counter = Counter()  # address -> requests sent there: the tie-break
+
+    def choose(self, addresses: list[str], hashes: list[bytes], held: dict[str, int], page_size: int) -> tuple[str, int]:
+        """(address, prefix pages it holds) of the cheapest scheduler for a prompt with page
+        `hashes`; `held`: address -> leading pages its workers hold, from the lookup."""
+        views = []
+        for address in addresses:
+            mine = self.in_flight.get(address) or InFlight()
+            prefix = max(held.get(address, 0), leading(mine.hashes, hashes))
+            views.append(WorkerView(address, prefix, mine.tokens / page_size, self.sent[address]))
+        best = choose_worker(len(hashes), views, self.cfg)
+        return best.worker_id, best.prefix_pages
+
+    def start(self, address: str, hashes: list[bytes], tokens: int) -> Callable[[], None]:
+        """Counts a request sent to `address`; returns what to call when its stream ends."""
+        mine = self.in_flight.setdefault(address, InFlight())
+        self.sent[address] += 1
+        mine.tokens += tokens
+        mine.hashes.update(hashes)
+
+        def done():
+            mine.tokens -= tokens
+            mine.hashes.subtract(hashes)
+            mine.hashes += Counter()  # drop zero counts
+            if not mine.tokens and not mine.hashes and self.in_flight.get(address) is mine:
+                del self.in_flight[address]
+
+        return done
