@@ -9,9 +9,9 @@ import time
 import grpc
 
 from kvmesh.services.children import redis_child
-from kvmesh.services.launcher import free_port, launch, stop
+from kvmesh.services.launcher import free_port, launch, stop, wait_split
 from kvmesh.services.tls import mesh_channel
-from kvmesh.services.registry import QUEUE_STATE_PATTERN, owner_key
+from kvmesh.services.registry import QUEUE_STATE_PATTERN
 from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 # Output tokens for a request that must still be running when a test acts on it (on conftest's
@@ -49,24 +49,8 @@ class Mesh:
         stop(self.children, self.redis)
 
     def wait_split(self, timeout=60) -> dict:
-        """Waits until every scheduler owns as many workers as the others (schedulers that start
-        together split them by lease); returns worker id -> its scheduler's address."""
-        import redis
-
-        workers = [c.name for c in self.children if c.service == "worker"]
-        schedulers = [c.address for c in self.children if c.service == "scheduler"]
-        r = redis.Redis.from_url(self.redis_url, decode_responses=True)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                owner = dict(zip(workers, ((r.get(owner_key(w)) or " ").rsplit(" ", 1)[0] for w in workers)))
-                held = list(owner.values())
-                if len({held.count(s) for s in schedulers}) == 1 and set(held) <= set(schedulers):
-                    return owner
-                assert time.monotonic() < deadline, f"the schedulers did not split the workers: {owner}"
-                time.sleep(0.2)
-        finally:
-            r.close()
+        """Waits until the schedulers split the workers evenly; returns worker id -> its scheduler's address."""
+        return wait_split(self.redis_url, self.children, timeout)
 
 
 async def collect(stub, request, timeout=60):
@@ -134,12 +118,14 @@ async def queue_state(redis_url, until, timeout=10):
         await r.aclose()
 
 
-async def wait_idle(addr, timeout=10, identity=None):
-    """Waits until no worker has pages in use; returns the last stats."""
+async def wait_idle(addr, timeout=10, identity=None, workers=0):
+    """Waits until no worker has pages in use (and kvcache accounts for at least `workers`
+    workers: after its restart it learns them again from their schedulers); returns the last stats."""
     deadline = time.monotonic() + timeout
+    at_least = workers
     while True:
         workers = await page_stats(addr, identity)
-        if all(w.used_pages == 0 for w in workers) or time.monotonic() > deadline:
+        if (len(workers) >= at_least and all(w.used_pages == 0 for w in workers)) or time.monotonic() > deadline:
             return workers
         await asyncio.sleep(0.1)
 

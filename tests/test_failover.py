@@ -97,7 +97,7 @@ async def probe_until_serving(addr, since, done, consecutive=5):
 def assert_pages_returned(mesh, r, workers=2):
     """Every page back: per worker free + used + cached == total with nothing in use (kvcache),
     no request left in any scheduler's queue, and no page held by a finished request (metrics)."""
-    stats = asyncio.run(wait_idle(mesh.kvcache_addr, timeout=30))
+    stats = asyncio.run(wait_idle(mesh.kvcache_addr, timeout=30, workers=workers))
     assert len(stats) == workers
     for w in stats:
         assert w.used_pages == 0, w

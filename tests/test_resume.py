@@ -144,8 +144,8 @@ def assert_exact(streams, undisturbed, min_resumes=1):
 
 
 async def all_pages_returned(mesh):
-    idle = await wait_idle(mesh.kvcache_addr, timeout=RECOVER_S)
-    assert idle and all(w.used_pages == 0 for w in idle), idle  # the workers that served since the fault
+    idle = await wait_idle(mesh.kvcache_addr, timeout=RECOVER_S, workers=2)
+    assert len(idle) == 2 and all(w.used_pages == 0 for w in idle), idle
     assert all(w.cached_pages + w.free_pages == w.total_pages for w in idle), idle
 
 
@@ -194,7 +194,10 @@ def report(row):
             f.write(json.dumps(row) + "\n")
 
 
-def faulted_run(mesh, undisturbed, names):
+def faulted_run(mesh, undisturbed, names, min_resumes=1):
+    """16 streams; `names` killed once every stream has its first message, restarted on their ports.
+    A worker's or kvcache's death is no resume for the router (the scheduler moves a dead worker's
+    requests itself): `min_resumes` says how many each stream must show."""
     children = [mesh.child(n) for n in names]
 
     async def run():
@@ -210,7 +213,7 @@ def faulted_run(mesh, undisturbed, names):
             return streams, served, back
 
     streams, served, back = asyncio.run(run())
-    assert_exact(streams, undisturbed)
+    assert_exact(streams, undisturbed, min_resumes)
     lost = sum(lost_and_repeated(s.tokens, u.tokens)[0] for s, u in zip(streams, undisturbed))
     repeated = sum(lost_and_repeated(s.tokens, u.tokens)[1] for s, u in zip(streams, undisturbed))
     report({"killed": " + ".join(names), "completed": sum(s.finish.reason == gen.LENGTH for s in streams),
@@ -224,6 +227,54 @@ def test_a_killed_scheduler_s_streams_continue_exactly(mesh, undisturbed):
 
 def test_a_worker_and_the_scheduler_killed_at_once_lose_no_stream(mesh, undisturbed):
     faulted_run(mesh, undisturbed, ["scheduler", "worker-0"])
+
+
+def test_a_killed_worker_s_streams_continue_exactly_on_the_other(mesh, undisturbed):
+    faulted_run(mesh, undisturbed, ["worker-0"], min_resumes=0)
+
+
+def test_streams_continue_exactly_through_a_kvcache_kill(mesh, undisturbed):
+    faulted_run(mesh, undisturbed, ["kvcache"], min_resumes=0)
+
+
+def test_a_scheduler_killed_twice_in_a_row_loses_no_token(mesh):
+    """One long greedy stream; the scheduler is killed, restarted, killed again once the stream has
+    moved on, and restarted. The client stops reading after that; what it got equals an undisturbed
+    run of that many tokens."""
+    request = gen.GenerateRequest(prompt="a stream through two scheduler deaths", sampling=gen.SamplingParams(temperature=0.0),
+                                  stopping=gen.StoppingParams(max_new_tokens=LONG_REQUEST, ignore_eos=True))
+    scheduler = mesh.child("scheduler")
+
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            faulted = Stream()
+            call = stub.Generate(request, timeout=RECOVER_S)
+            kills = []
+
+            async def read_until(n):
+                while len(faulted.tokens) < n:
+                    faulted.take(await call.read())
+
+            await read_until(1)
+            for _ in range(2):
+                kill(scheduler)
+                kills.append(len(faulted.tokens))
+                scheduler.start()
+                await read_until(len(faulted.tokens) + 32)  # resumed on the restarted scheduler, and on its way
+            call.cancel()
+            calm = gen.GenerateRequest()
+            calm.CopyFrom(request)
+            calm.stopping.max_new_tokens = len(faulted.tokens)
+            undisturbed = await collect_one(stub, calm)
+            await all_pages_returned(mesh)
+            return faulted, undisturbed, kills
+
+    faulted, undisturbed, kills = asyncio.run(run())
+    assert lost_and_repeated(faulted.tokens, undisturbed.tokens) == (0, 0)
+    assert faulted.text == undisturbed.text
+    assert all(abs(a - b) < 1e-3 for a, b in zip(faulted.logprobs, undisturbed.logprobs))
+    assert kills[0] < kills[1] < len(faulted.tokens), kills  # each kill interrupted the stream mid-way
 
 
 def test_a_seeded_sampled_stream_through_a_scheduler_kill_equals_the_undisturbed_one(mesh):

@@ -72,6 +72,28 @@ def wait_scheduled(redis_url: str, workers: int, timeout_s: float) -> None:
     raise TimeoutError(f"the scheduler did not reach all {workers} workers within {timeout_s:.0f}s")
 
 
+def wait_split(redis_url: str, children: list[Child], timeout_s: float) -> dict[str, str]:
+    """Blocks until every scheduler among `children` owns as many of their workers as the others
+    (schedulers that start together split the workers by lease); returns worker -> its scheduler."""
+    from kvmesh.services.redis_client import connect
+    from kvmesh.services.registry import owner_key
+
+    workers = [c.name for c in children if c.service == "worker"]
+    schedulers = [c.address for c in children if c.service == "scheduler"]
+    r = connect(redis_url, aio=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            owner = {w: (r.get(owner_key(w)) or " ").rsplit(" ", 1)[0] for w in workers}
+            held = list(owner.values())
+            if len({held.count(s) for s in schedulers}) == 1 and set(held) <= set(schedulers):
+                return owner
+            time.sleep(0.2)
+    finally:
+        r.close()
+    raise TimeoutError(f"the schedulers did not split the workers within {timeout_s:.0f}s")
+
+
 def check_redis(redis_url: str) -> None:
     """ServiceFailed naming the URL and the cause when the Redis at `redis_url` does not answer."""
     import redis

@@ -8,8 +8,8 @@ discovery tells it which scheduler owns each worker (its Redis lease) and at whi
 runs, so a restarted worker's old pages never count. A scheduler's prefix is its best worker's,
 or the leading pages of a prompt this router sent it that is still running there (a burst with a
 new shared prefix then follows its first request before its pages are even computed). Its load is
-the work this router has in flight there, in pages: prompt tokens to compute plus output tokens to
-come. `placement.choose_worker` then picks among schedulers as a scheduler picks among its
+the work this router has in flight there, in pages: prompt tokens to compute until the request's
+first token arrives (its prefill is then done), plus its output tokens to come. `placement.choose_worker` then picks among schedulers as a scheduler picks among its
 workers (ties go to the scheduler this router sent fewer requests, so light traffic alternates),
 and the chosen scheduler places the request on the worker that holds the prefix.
 
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
-
 from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker
 
 LOOKUP_TIMEOUT_S = 0.25
@@ -65,18 +63,37 @@ class SchedulerChoice:
         best = choose_worker(len(hashes), views, self.cfg)
         return best.worker_id, best.prefix_pages
 
-    def start(self, address: str, hashes: list[bytes], tokens: int) -> Callable[[], None]:
-        """Counts a request sent to `address`; returns what to call when its stream ends."""
+    def start(self, address: str, hashes: list[bytes], prompt_tokens: int, output_tokens: int) -> "Routed":
+        """Counts a request sent to `address`: `prompt_tokens` to compute, `output_tokens` to come."""
         mine = self.in_flight.setdefault(address, InFlight())
         self.sent[address] += 1
-        mine.tokens += tokens
+        mine.tokens += prompt_tokens + output_tokens
         mine.hashes.update(hashes)
+        return Routed(self, address, mine, hashes, prompt_tokens, output_tokens)
 
-        def done():
-            mine.tokens -= tokens
-            mine.hashes.subtract(hashes)
-            mine.hashes += Counter()  # drop zero counts
-            if not mine.tokens and not mine.hashes and self.in_flight.get(address) is mine:
-                del self.in_flight[address]
 
-        return done
+@dataclass
+class Routed:
+    """One request's share of a scheduler's in-flight work, taken back in two parts."""
+
+    choice: SchedulerChoice
+    address: str
+    mine: InFlight
+    hashes: list[bytes]
+    prompt_tokens: int
+    output_tokens: int
+
+    def prefilled(self) -> None:
+        """Its first token arrived: its prompt is computed."""
+        self.mine.tokens -= self.prompt_tokens
+        self.prompt_tokens = 0
+
+    def done(self) -> None:
+        """Its stream ended."""
+        mine = self.mine
+        mine.tokens -= self.prompt_tokens + self.output_tokens
+        self.prompt_tokens = self.output_tokens = 0
+        mine.hashes.subtract(self.hashes)
+        mine.hashes += Counter()  # drop zero counts
+        if not mine.tokens and not mine.hashes and self.choice.in_flight.get(self.address) is mine:
+            del self.choice.in_flight[self.address]

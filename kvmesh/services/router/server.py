@@ -356,11 +356,13 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         merged = choices[0] if len(choices) == 1 else _after_first(choices)
         try:
             async for out in merged:
+                if routed is not None and routed.prompt_tokens and out.tokens:
+                    routed.prefilled()
                 yield out
         finally:
             await merged.aclose()  # at once: cancels what still runs upstream
             if routed is not None:
-                routed()
+                routed.done()
 
     async def _route(self, pool: Pool, submit, choices: int, span):
         """(scheduler stub, what to call when the request ends) for a new request of `choices`
@@ -372,8 +374,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         held = await self._prefix_holders(pool, hashes, span) if hashes else {}
         address, prefix = self.choice.choose(addresses, hashes, held, pool.page_size)
         span.set_attributes({"kvmesh.scheduler": address, "kvmesh.routed_prefix_pages": prefix})
-        work = len(submit.prompt_token_ids) - prefix * pool.page_size + choices * submit.stopping.max_new_tokens
-        return pool.scheduler_at(address), self.choice.start(address, hashes, work)
+        prompt = max(1, len(submit.prompt_token_ids) - prefix * pool.page_size)
+        return pool.scheduler_at(address), self.choice.start(address, hashes, prompt, choices * submit.stopping.max_new_tokens)
 
     async def _prefix_holders(self, pool: Pool, hashes: list[bytes], span) -> dict[str, int]:
         """Scheduler address -> the most leading pages of `hashes` one of its workers holds at its
