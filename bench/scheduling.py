@@ -12,6 +12,8 @@ outputs 32, 2 per second) beside long prompts (1,800..2,000 tokens, one per 5 se
 chunked prefill (256 tokens per step, at most 128 for one request) and without (4,096: a whole
 long prompt in one step).
 `sweep`: the sharegpt-like workload at several rates; writes docs/latency_throughput.png.
+BENCH_MODEL=cheap runs the mesh benchmarks on pool_size.py's cheap model (1 KiB of KV per token)
+instead of bench-125m, with BENCH_KV_MIB of KV (default 2048).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def bench_args(addr: str, *flags: str) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser()
     bench.add_parser(parser.add_subparsers())
-    return parser.parse_args(["bench", "--addr", addr, "--no-progress", "--vocab-size", "32000", *flags])
+    vocab = "4096" if os.environ.get("BENCH_MODEL") == "cheap" else "32000"  # the model's vocabulary
+    return parser.parse_args(["bench", "--addr", addr, "--no-progress", "--vocab-size", vocab, *flags])
 
 
 def run_bench(addr: str, *flags: str) -> dict:
@@ -40,12 +43,21 @@ def run_bench(addr: str, *flags: str) -> dict:
 
 
 def with_mesh(scheduler_flags: list[str], body):
+    """A one-worker mesh of the benchmark model (BENCH_MODEL=cheap: pool_size.py's cheap model, about
+    1 KiB of KV per token) with BENCH_KV_MIB (default 2048) of KV; `body(address)`'s result."""
     from kvmesh.modelgen import bench_model_dir
     from kvmesh.services.launcher import free_port, launch, stop
 
+    if os.environ.get("BENCH_MODEL") == "cheap":
+        from pool_size import cheap_model
+
+        model = cheap_model(Path(os.environ.get("KVMESH_CACHE", Path.home() / ".cache" / "kvmesh")) / "cheap-mistral")
+    else:
+        model = bench_model_dir()
     port = free_port()
-    children, redis_proc, _ = launch(str(bench_model_dir()), 1, None, port,
-                                     extra_worker=["--kv-memory-mib", "2048"], extra_scheduler=scheduler_flags)
+    children, redis_proc, _ = launch(str(model), 1, None, port,
+                                     extra_worker=["--kv-memory-mib", os.environ.get("BENCH_KV_MIB", "2048")],
+                                     extra_scheduler=scheduler_flags)
     try:
         return body(f"127.0.0.1:{port}")
     finally:

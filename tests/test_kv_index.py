@@ -143,6 +143,7 @@ def test_changes_from_an_owner_kvcache_does_not_know_are_not_applied_and_a_stale
         with pytest.raises(grpc.aio.AioRpcError) as stale:
             await kv.stub.Publish(request(full=True, lease_token=4))
         await kv.stub.Publish(request(forget=True, lease_token=4))  # ignored: not the owner now
+        await kv.stub.Publish(request(forget=True, lease_token=5, epoch=0))  # ignored: another epoch's
         kept = await kv.lookup(hashes)
         moved = await kv.stub.Publish(request(evicted=hashes[1:], lease_token=6))  # a new owner must send it whole
         await kv.stub.Publish(request(full=True, stored=hashes[:1], lease_token=6))

@@ -62,8 +62,11 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
     async def Publish(self, request, context):
         worker_id = request.worker_id
         stale_owner = request.lease_token < self.tokens.get(worker_id, 0)
+        index = self.workers.get(worker_id)
         if request.forget:
-            if not stale_owner:
+            # Only the index of the epoch it names: a loop that ended for a worker that has since
+            # restarted does not drop the index its next loop (same scheduler, same token) sent.
+            if not stale_owner and (index is None or index.epoch == request.epoch):
                 self.workers.pop(worker_id, None)
                 self.tokens.pop(worker_id, None)
                 self.metrics.forget(worker_id)
@@ -73,11 +76,8 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             check_publish(request, self.max_pages_per_worker)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        index = self.workers.get(worker_id)
-        if stale_owner and index is not None and index.epoch == request.epoch:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"lease_token: {request.lease_token} is stale, worker {worker_id!r} is owned "
-                                f"with token {self.tokens[worker_id]}")
+        if (stale := self._stale_owner(request)) is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, stale)
         current = (index is not None and index.epoch == request.epoch and index.lease_token == request.lease_token
                    and index.num_pages == request.num_pages)
         if not request.full:
@@ -88,6 +88,8 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         else:
             if not current and (mismatch := await self._unregistered(request)) is not None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
+            if (stale := self._stale_owner(request)) is not None:  # a new owner's call came in meanwhile
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, stale)
             index = WorkerIndex(request.epoch, request.lease_token, request.num_pages, request.page_size)
             changes = index.apply(request.stored, ())
             self.workers[worker_id] = index
@@ -98,6 +100,13 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         self.metrics.set_pages(worker_id, request.num_pages, p.used, p.free, p.cached)
         await self._mirror(worker_id, request.epoch, changes, purge=purge)
         return kvcache_pb2.PublishResponse()
+
+    def _stale_owner(self, request) -> str | None:
+        """Why the sender is not the worker's owner at this epoch (a lower lease token), or None."""
+        index, token = self.workers.get(request.worker_id), self.tokens.get(request.worker_id, 0)
+        if request.lease_token < token and index is not None and index.epoch == request.epoch:
+            return f"lease_token: {request.lease_token} is stale, worker {request.worker_id!r} is owned with token {token}"
+        return None
 
     async def Lookup(self, request, context):
         try:

@@ -351,16 +351,18 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         deadline = None if timeout is None else time.monotonic() + timeout
         # One scheduler for all choices: the first one's prompt pages serve the others.
         scheduler, routed = (None, None) if resume_from is not None else await self._route(pool, submit, max(1, request.n), span)
-        choices = [self._choice(pool, scheduler, request, self._choice_submit(submit, i, request.sampling), i,
-                                resume_from, deadline, span, started, admission) for i in range(max(1, request.n))]
-        merged = choices[0] if len(choices) == 1 else _after_first(choices)
+        merged = None
         try:
+            choices = [self._choice(pool, scheduler, request, self._choice_submit(submit, i, request.sampling), i,
+                                    resume_from, deadline, span, started, admission) for i in range(max(1, request.n))]
+            merged = choices[0] if len(choices) == 1 else _after_first(choices)
             async for out in merged:
                 if routed is not None and routed.prompt_tokens and out.tokens:
                     routed.prefilled()
                 yield out
         finally:
-            await merged.aclose()  # at once: cancels what still runs upstream
+            if merged is not None:
+                await merged.aclose()  # at once: cancels what still runs upstream
             if routed is not None:
                 routed.done()
 

@@ -122,7 +122,8 @@ class KVPublisher:
             stub = self.kvcache()
             if self.closing:
                 if stub is not None:
-                    forget = kvcache_pb2.PublishRequest(worker_id=self.worker_id, forget=True, lease_token=self.lease_token)
+                    forget = kvcache_pb2.PublishRequest(worker_id=self.worker_id, epoch=self.epoch, forget=True,
+                                                        lease_token=self.lease_token)
                     try:
                         await stub.Publish(forget, timeout=5)
                     except grpc.aio.AioRpcError as e:
