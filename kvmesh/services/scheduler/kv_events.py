@@ -69,6 +69,7 @@ class TracedPagePool(PagePool):
             "kvmesh.worker_id": self.worker_id, "kvmesh.request_id": seq_id, **attributes,
             "kvmesh.free_pages": st.free, "kvmesh.cached_pages": st.cached}).end()
 
+
 class KVPublisher:
     """Publishes one worker's page events to kvcache (`kvcache()` returns its stub, or None while
     none is known), under the scheduler's lease `lease_token` on the worker."""
