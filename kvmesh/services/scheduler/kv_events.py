@@ -79,7 +79,7 @@ class KVPublisher:
         self.kvcache = kvcache
         self.changed = asyncio.Event()
         self.resync = True  # the first call carries the whole index (empty at the start)
-        self.closing = False
+        self.closing = asyncio.Event()
         self._sent_counts: tuple[int, int, int] | None = None
 
     def after_step(self) -> None:
@@ -89,7 +89,7 @@ class KVPublisher:
 
     def close(self) -> None:
         """The loop ended: the last call forgets the worker's index (ours, by lease token)."""
-        self.closing = True
+        self.closing.set()
         self.changed.set()
 
     def _counts(self) -> tuple[int, int, int]:
@@ -103,11 +103,11 @@ class KVPublisher:
             worker_id=self.worker_id, epoch=self.epoch, num_pages=self.pool.num_pages, page_size=self.pool.page_size,
             lease_token=self.lease_token, pages=kvcache_pb2.PageCounts(used=used, free=free, cached=cached))
         changes, self.pool.index_changes = self.pool.index_changes, []
-        if self.resync:
+        final = {} if self.resync else {h: added for added, h in changes}  # each hash once, by where it ended up
+        if self.resync or len(final) > self.pool.num_pages:  # (churn while a slow call was out: send it whole)
             request.full = True
             request.stored.extend(self.pool.index)
         else:
-            final = {h: added for added, h in changes}  # each hash once, by where it ended up
             request.stored.extend(h for h, added in final.items() if added)
             request.evicted.extend(h for h, added in final.items() if not added)
         return request
@@ -121,7 +121,7 @@ class KVPublisher:
                 pass  # a resync is due: try again even if nothing changed
             self.changed.clear()
             stub = self.kvcache()
-            if self.closing:
+            if self.closing.is_set():
                 if stub is not None:
                     forget = kvcache_pb2.PublishRequest(worker_id=self.worker_id, epoch=self.epoch, forget=True,
                                                         lease_token=self.lease_token)
@@ -141,6 +141,10 @@ class KVPublisher:
                 if not self.resync:
                     log.warning("kvcache Publish for %s failed (%s): its whole index goes next", self.worker_id, e.code())
                 self.resync = True
+                try:  # back off (a whole index per step would be the cost of a kvcache that is down)
+                    await asyncio.wait_for(self.closing.wait(), timeout=retry)
+                except asyncio.TimeoutError:
+                    pass
                 retry = min(retry * 2, RETRY_S[1])
                 continue
             self.resync = response.resync
