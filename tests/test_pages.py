@@ -2,6 +2,7 @@
 and a stateful model of how the scheduler uses a pool (share, grow, commit, finish, cancel,
 evict, preempt) that checks the invariants after every call."""
 
+import gc
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -408,7 +409,8 @@ TestPagePoolMachine.settings = settings(max_examples=150, stateful_step_count=40
 
 def lines_run(fn) -> int:
     """Python lines executed by fn(), in every function it calls: a count of operations that does
-    not depend on how busy the machine is."""
+    not depend on how busy the machine is. The garbage collector is held off meanwhile: a
+    finalizer of another test's garbage (a gRPC object's __del__) would count as fn's lines."""
     count = 0
 
     def trace(frame, event, arg):
@@ -417,11 +419,14 @@ def lines_run(fn) -> int:
             count += 1
         return trace
 
+    gc.collect()
+    gc.disable()
     sys.settrace(trace)
     try:
         fn()
     finally:
         sys.settrace(None)
+        gc.enable()
     return count
 
 
