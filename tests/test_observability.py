@@ -62,7 +62,7 @@ def test_one_generate_is_one_trace_across_all_four_services(mesh, receiver):
     assert len(tokens) == n and finish.trace_id and initial["kvmesh-trace-id"] == finish.trace_id
     trace_id = bytes.fromhex(finish.trace_id)
     spans = receiver.wait_for(trace_id, lambda s: len(by_name(s, "kvmesh.token_step")) >= n
-                              and len(by_name(s, "kvmesh.kv.release")) >= 1)
+                              and len(by_name(s, "kvmesh.kv.release")) >= 1 and len(by_name(s, "kvmesh.kv.lookup")) >= 1)
     assert {svc for svc, _ in spans} == SERVICES
     steps = by_name(spans, "kvmesh.token_step")
     assert len(steps) == n
