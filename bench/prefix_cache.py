@@ -36,32 +36,36 @@ def workload(num_prefixes: int, prefix_len: int, num_requests: int, vocab: int, 
     return [r.prompt_token_ids for r in make_workload(cfg, np.random.default_rng(seed))]
 
 
-async def drive(addr: str, prompts, output_len: int, concurrency: int):
+async def drive(addr: str, prompts, output_len: int, concurrency: int, timeout_s: float = 1800):
+    """(TTFTs in ms, output tok/s, cached share of prompt tokens) of the prompts sent by `concurrency` clients."""
     from kvmesh.v1 import generation_pb2 as gen
     from kvmesh.v1 import generation_pb2_grpc
 
-    ttfts, tokens, queue = [], 0, list(prompts)
+    ttfts, queue = [], list(prompts)
+    counts = {"tokens": 0, "prompt": 0, "cached": 0}
 
     async def client(stub):
-        nonlocal tokens
         while queue:
             prompt = queue.pop(0)
             request = gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=prompt),
                                           sampling=gen.SamplingParams(temperature=0),
                                           stopping=gen.StoppingParams(max_new_tokens=output_len, ignore_eos=True))
-            started = time.perf_counter()
-            first = None
-            async for response in stub.Generate(request, timeout=900):
+            started, first = time.perf_counter(), None
+            async for response in stub.Generate(request, timeout=timeout_s):
                 if response.tokens and first is None:
                     first = time.perf_counter() - started
-                tokens += len(response.tokens)
+                counts["tokens"] += len(response.tokens)
+                if response.HasField("finish"):
+                    counts["prompt"] += response.finish.prompt_tokens
+                    counts["cached"] += response.finish.cached_prompt_tokens
             ttfts.append(first * 1000)
 
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         started = time.perf_counter()
         await asyncio.gather(*(client(stub) for _ in range(concurrency)))
-        return ttfts, tokens / (time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+    return ttfts, counts["tokens"] / elapsed, counts["cached"] / max(1, counts["prompt"])
 
 
 def main() -> None:
@@ -87,7 +91,7 @@ def main() -> None:
         children, redis_proc, _ = launch(model_dir, 2, None, port, extra_worker=["--threads", "1", "--kv-memory-mib", str(args.kv_memory_mib)],
                                          extra_scheduler=CONFIGS[name])
         try:
-            ttfts, tps = asyncio.run(drive(f"127.0.0.1:{port}", prompts, args.output_len, args.concurrency))
+            ttfts, tps, _ = asyncio.run(drive(f"127.0.0.1:{port}", prompts, args.output_len, args.concurrency))
         finally:
             stop(children, redis_proc)
         q = statistics.quantiles(ttfts, n=10)

@@ -18,49 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 
-import grpc
-
-from prefix_cache import workload
+from prefix_cache import drive, workload
 
 CONFIGS = {  # name -> (schedulers, router arguments)
     "kv routing, 2 schedulers x 2 workers": (2, []),
     "round-robin, 2 schedulers x 2 workers": (2, ["--scheduler-choice", "round-robin"]),
     "one scheduler x 4 workers": (1, []),
 }
-
-
-async def drive(addr: str, prompts, output_len: int, concurrency: int):
-    """(TTFTs in ms, output tok/s, cached share of prompt tokens) of the prompts sent by `concurrency` clients."""
-    from kvmesh.v1 import generation_pb2 as gen
-    from kvmesh.v1 import generation_pb2_grpc
-
-    ttfts, queue = [], list(prompts)
-    counts = {"tokens": 0, "prompt": 0, "cached": 0}
-
-    async def client(stub):
-        while queue:
-            prompt = queue.pop(0)
-            request = gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=prompt),
-                                          sampling=gen.SamplingParams(temperature=0),
-                                          stopping=gen.StoppingParams(max_new_tokens=output_len, ignore_eos=True))
-            started, first = time.perf_counter(), None
-            async for response in stub.Generate(request, timeout=1800):
-                if response.tokens and first is None:
-                    first = time.perf_counter() - started
-                counts["tokens"] += len(response.tokens)
-                if response.HasField("finish"):
-                    counts["prompt"] += response.finish.prompt_tokens
-                    counts["cached"] += response.finish.cached_prompt_tokens
-            ttfts.append(first * 1000)
-
-    async with grpc.aio.insecure_channel(addr) as ch:
-        stub = generation_pb2_grpc.GenerationStub(ch)
-        started = time.perf_counter()
-        await asyncio.gather(*(client(stub) for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    return ttfts, counts["tokens"] / elapsed, counts["cached"] / max(1, counts["prompt"])
 
 
 def main() -> None:

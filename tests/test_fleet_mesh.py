@@ -44,6 +44,14 @@ def rollout(mesh, *args):
     return out.stdout
 
 
+def wait_rollout_read(*addrs, timeout=30):
+    """Until every router at `addrs` reports the running rollout in ListModels (they read Redis every half second)."""
+    deadline = time.monotonic() + timeout
+    while not all(any(m.rollout.status == "running" for m in asyncio.run(list_models(a))) for a in addrs):
+        assert time.monotonic() < deadline, "a router did not read the rollout"
+        time.sleep(0.1)
+
+
 def rollout_state(mesh):
     r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
     try:
@@ -118,7 +126,7 @@ def test_the_canary_split_is_the_same_in_two_router_processes(one_worker_mesh, m
         wait_scheduled(mesh.redis_url, 2, timeout_s=60)
         wait_serving(f"127.0.0.1:{port}", 60, router2)
         rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "25,100", "--interval", "1h")
-        time.sleep(1.5)  # routers read the rollout state every half second
+        wait_rollout_read(mesh.addr, f"127.0.0.1:{port}")
         ids = [f"request-{i}" for i in range(40)]
         first = asyncio.run(run_all(mesh.addr, [greedy("split me", 2, request_id=i) for i in ids]))
         second = asyncio.run(run_all(f"127.0.0.1:{port}", [greedy("split me", 2, request_id=i + "-b") for i in ids]))
@@ -130,6 +138,7 @@ def test_the_canary_split_is_the_same_in_two_router_processes(one_worker_mesh, m
         assert all(r[3].worker_id == ("canary-0" if r[3].model_version == "v2" else "worker-0") for r in first + second)
         listed = asyncio.run(list_models(mesh.addr))
         assert {v.version: v.traffic_percent for v in listed[0].versions} == {"v1": 75.0, "v2": 25.0}
+        assert (listed[0].rollout.canary_version, listed[0].rollout.canary_percent) == ("v2", 25.0)
     finally:
         router2.terminate()
         router2.wait(timeout=10)
@@ -145,7 +154,7 @@ def test_a_canary_without_a_ready_worker_gets_no_traffic(one_worker_mesh):
     mesh = one_worker_mesh
     rollout(mesh, "start", "--model", "default", "--canary", "v2", "--stable", "v1", "--steps", "50,100",
             "--interval", "1h")
-    time.sleep(1.5)
+    wait_rollout_read(mesh.addr)
     results = asyncio.run(run_all(mesh.addr, [greedy(f"no canary yet {i}", 2) for i in range(10)]))
     assert all(r[3].reason == gen.LENGTH and r[3].model_version == "v1" for r in results)
     listed = asyncio.run(list_models(mesh.addr))
@@ -177,7 +186,7 @@ def test_a_canary_that_fails_requests_is_rolled_back_with_the_reason(one_worker_
         wait_scheduled(mesh.redis_url, 2, timeout_s=60)
         rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "50,100", "--interval", "2s",
                 "--min-requests", "3")
-        time.sleep(1.5)
+        wait_rollout_read(mesh.addr)
         finishes = drive_until(mesh, lambda s: s["status"] != "running")
         state = rollout_state(mesh)
         assert state["status"] == "rolled_back"
@@ -206,7 +215,7 @@ def test_a_healthy_canary_is_promoted_to_100_percent(one_worker_mesh, model_dir)
         # (tests/test_fleet.py); here it only must not take a healthy canary for a slow one.
         rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "50,100", "--interval", "2s",
                 "--min-requests", "4", "--max-p99-ratio", "3")
-        time.sleep(1.5)
+        wait_rollout_read(mesh.addr)
         finishes = drive_until(mesh, lambda s: s["status"] != "running", batch=2)
         state = rollout_state(mesh)
         assert state["status"] == "promoted", state["history"]

@@ -14,6 +14,7 @@ import redis
 
 from kvmesh.services.kvcache.pages import prefix_hashes
 from kvmesh.services.kvcache.prefix_store import PrefixStore, prefix_key
+from kvmesh.services.launcher import wait_scheduled
 from kvmesh.services.registry import service_key
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
@@ -127,7 +128,7 @@ def test_restarted_worker_stale_prefix_entries_are_purged_and_unused(model_dir):
             if record and json.loads(record)["epoch"] > old_epoch:
                 break
             time.sleep(0.2)
-        time.sleep(1.5)  # the scheduler picks the restarted worker up
+        wait_scheduled(mesh.redis_url, 2, timeout_s=60)  # the scheduler drives the restarted worker again
         # The same prompt again: whichever worker takes it, nothing stale is counted as cached.
         [(_, _, _, again)] = generate_all(mesh.addr, [ids_request(prompt, 4)])
         assert again.cached_prompt_tokens == 0

@@ -144,7 +144,15 @@ def test_after_traffic_every_service_exports_the_metrics_that_moved(mesh):
 
     asyncio.run(traffic())
     asyncio.run(wait_idle(mesh.kvcache_addr))
-    time.sleep(1.2)  # the scheduler refreshes its queue gauges every half second
+    # Each scheduler refreshes its queue gauges every half second: wait (bounded) for them to read the idle queue.
+    queue_gauges = ("kvmesh_num_requests_running", "kvmesh_num_requests_waiting", "kvmesh_estimated_token_queue",
+                    "kvmesh_kv_pages_held_by_finished_requests")
+    deadline = time.monotonic() + 30
+    while True:
+        schedulers = [scrape(mesh.child(f"scheduler-{i}").http) for i in range(2)]
+        if all(s.get(g) and total(s, g) == 0 for s in schedulers for g in queue_gauges) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
 
     router = scrape(mesh.child("router").http)
     for histogram in ("kvmesh_time_to_first_token_seconds", "kvmesh_inter_token_latency_seconds",
@@ -157,8 +165,6 @@ def test_after_traffic_every_service_exports_the_metrics_that_moved(mesh):
     labels = {l.get("model_name") for samples in router.values() for l, _ in samples}
     assert "no-such-model" not in labels  # the label set holds served pools only
 
-    schedulers = [scrape(mesh.child(f"scheduler-{i}").http) for i in range(2)]
-
     def summed(name, **labels):
         return sum(total(scheduler, name, **labels) for scheduler in schedulers)
 
@@ -167,8 +173,7 @@ def test_after_traffic_every_service_exports_the_metrics_that_moved(mesh):
     assert summed("kvmesh_prefix_cache_queries_total") > 0
     assert summed("kvmesh_prefix_cache_hits_total") > 0  # later questions reuse the shared pages
     for scheduler in schedulers:  # each drives the one worker it owns
-        for gauge in ("kvmesh_num_requests_running", "kvmesh_num_requests_waiting", "kvmesh_estimated_token_queue",
-                      "kvmesh_kv_pages_held_by_finished_requests"):
+        for gauge in queue_gauges:
             assert len(scheduler[gauge]) == 1 and total(scheduler, gauge) == 0, gauge
     # Every request was looked up to choose its scheduler (these six at once: before their shared pages existed).
     assert total(router, "kvmesh_router_prefix_lookups_total") >= 6

@@ -76,7 +76,7 @@ def wait_split(redis_url: str, children: list[Child], timeout_s: float) -> dict[
     """Blocks until every scheduler among `children` owns as many of their workers as the others
     (schedulers that start together split the workers by lease); returns worker -> its scheduler."""
     from kvmesh.services.redis_client import connect
-    from kvmesh.services.registry import owner_key
+    from kvmesh.services.registry import owner_key, parse_lease
 
     workers = [c.name for c in children if c.service == "worker"]
     schedulers = [c.address for c in children if c.service == "scheduler"]
@@ -84,7 +84,7 @@ def wait_split(redis_url: str, children: list[Child], timeout_s: float) -> dict[
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            owner = {w: (r.get(owner_key(w)) or " ").rsplit(" ", 1)[0] for w in workers}
+            owner = {w: (parse_lease(r.get(owner_key(w))) or ("", 0))[0] for w in workers}
             held = list(owner.values())
             if len({held.count(s) for s in schedulers}) == 1 and set(held) <= set(schedulers):
                 return owner

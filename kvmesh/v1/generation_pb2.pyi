@@ -181,19 +181,33 @@ class ModelVersion(_message.Message):
     traffic_percent: float
     def __init__(self, version: _Optional[str] = ..., ready_workers: _Optional[int] = ..., traffic_percent: _Optional[float] = ...) -> None: ...
 
+class RolloutInfo(_message.Message):
+    __slots__ = ("status", "stable_version", "canary_version", "canary_percent")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANARY_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    stable_version: str
+    canary_version: str
+    canary_percent: float
+    def __init__(self, status: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., canary_percent: _Optional[float] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "ready_workers", "max_context", "versions", "aliases")
+    __slots__ = ("name", "ready_workers", "max_context", "versions", "aliases", "rollout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     READY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     ready_workers: int
     max_context: int
     versions: _containers.RepeatedCompositeFieldContainer[ModelVersion]
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., ready_workers: _Optional[int] = ..., max_context: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[ModelVersion, _Mapping]]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    rollout: RolloutInfo
+    def __init__(self, name: _Optional[str] = ..., ready_workers: _Optional[int] = ..., max_context: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[ModelVersion, _Mapping]]] = ..., aliases: _Optional[_Iterable[str]] = ..., rollout: _Optional[_Union[RolloutInfo, _Mapping]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -65,7 +65,6 @@ class Pool:
     versions: dict[str, int] = field(default_factory=dict)  # version -> ready workers
     rollout: RolloutState | None = None
     turn: int = 0  # round-robin over schedulers
-    channels: dict = field(default_factory=dict)  # id(stub) -> its channel, to skip one that failed
     _by_address: dict = field(default_factory=dict)  # address -> (channel, stub): stubs kept across rounds
     kv_tokens: int | None = None  # tokens the smallest ready worker's KV pool holds (None: not known yet)
     page_size: int = 0  # its workers' KV page size (0: not known yet)
@@ -94,7 +93,6 @@ class Pool:
             known[address] = previous if previous and previous[0] is channel else (channel, stub_class(channel))
         self._by_address = known
         self.schedulers = [stub for _, stub in known.values()]
-        self.channels = {id(stub): ch for ch, stub in known.values()}
 
     def room_after(self, prompt_tokens: int) -> int:
         """Tokens a completion of this prompt can have: the rest of the context, and no more than
@@ -111,18 +109,17 @@ class Pool:
             return None
         return known[1]
 
-    @property
-    def scheduler_addresses(self) -> list[str]:
-        return list(self._by_address)
+    def live_schedulers(self) -> list[str]:
+        """The addresses of the schedulers whose connection has not just failed."""
+        return [a for a in self._by_address if self.scheduler_at(a) is not None]
 
     def next_scheduler(self):
         """Round-robin over the live schedulers, passing over one whose connection just failed (a
         scheduler that died and whose leases have not expired yet) while another can take the request."""
-        for _ in range(len(self.schedulers)):
+        addresses = list(self._by_address)
+        for _ in range(len(addresses)):
             self.turn += 1
-            stub = self.schedulers[self.turn % len(self.schedulers)]
-            channel = self.channels.get(id(stub))
-            if channel is None or channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            if (stub := self.scheduler_at(addresses[self.turn % len(addresses)])) is not None:
                 return stub
         return self.schedulers[self.turn % len(self.schedulers)]
 

@@ -17,7 +17,7 @@ import uuid
 import grpc
 
 from kvmesh import grammar, telemetry
-from kvmesh.fleet.rollout import RolloutState
+from kvmesh.fleet.rollout import RolloutState, canary_percent
 from kvmesh.metrics import RouterMetrics
 from kvmesh.params import MAX_CHOICES, InvalidRequest, validate_request, validate_request_id
 from kvmesh.services import wire
@@ -369,7 +369,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     async def _route(self, pool: Pool, submit, choices: int, span):
         """(scheduler stub, what to call when the request ends) for a new request of `choices`
         completions: by prefix and load when the pool has several schedulers (prefix_routing.py)."""
-        addresses = [a for a in pool.scheduler_addresses if pool.scheduler_at(a) is not None]
+        addresses = pool.live_schedulers()
         if self.cfg.scheduler_choice != "kv" or len(addresses) < 2 or not pool.page_size:
             return pool.next_scheduler(), None
         hashes = prefix_hashes(list(submit.prompt_token_ids), pool.page_size)
@@ -593,12 +593,21 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         return gen.ListModelsResponse(models=self.model_infos())
 
     def model_infos(self) -> list[gen.ModelInfo]:
-        """The pools with a ready worker, each with its versions and their share of traffic."""
-        return [gen.ModelInfo(name=p.name, aliases=p.aliases, ready_workers=p.ready_workers,
-                              max_context=p.model.max_position_embeddings,
-                              versions=[gen.ModelVersion(version=v, ready_workers=n, traffic_percent=p.traffic_percent(v))
-                                        for v, n in sorted(p.versions.items())])
-                for p in self.pools.values() if p.ready]
+        """The pools with a ready worker, each with its versions, their share of traffic, and the
+        rollout as this router last read it."""
+        infos = []
+        for p in self.pools.values():
+            if not p.ready:
+                continue
+            info = gen.ModelInfo(name=p.name, aliases=p.aliases, ready_workers=p.ready_workers,
+                                 max_context=p.model.max_position_embeddings,
+                                 versions=[gen.ModelVersion(version=v, ready_workers=n, traffic_percent=p.traffic_percent(v))
+                                           for v, n in sorted(p.versions.items())])
+            if (r := p.rollout) is not None:
+                info.rollout.CopyFrom(gen.RolloutInfo(status=r.status, stable_version=r.stable_version,
+                                                      canary_version=r.canary_version, canary_percent=canary_percent(r)))
+            infos.append(info)
+        return infos
 
     async def Tokenize(self, request, context):
         """The ids the router would give `text` as a prompt; INVALID_ARGUMENT over max_prompt_chars."""
