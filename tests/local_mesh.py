@@ -49,7 +49,7 @@ class Mesh:
         stop(self.children, self.redis)
 
     def wait_split(self, timeout=60) -> dict:
-        """Waits until the schedulers split the workers evenly; returns worker id -> its scheduler's address."""
+        """Waits until every worker is owned and every scheduler owns one; returns worker id -> its scheduler's address."""
         return wait_split(self.redis_url, self.children, timeout)
 
 

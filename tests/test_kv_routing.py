@@ -179,7 +179,7 @@ def scrape_router(mesh):
 
 @pytest.fixture(scope="module")
 def fleet(model_dir):
-    """Two schedulers owning two workers each."""
+    """Two schedulers owning four workers between them (two each when they start together, as here)."""
     m = Mesh(model_dir, workers=4, schedulers=2)
     m.owner = m.wait_split()  # worker id -> its scheduler's address
     yield m

@@ -73,7 +73,7 @@ def wait_scheduled(redis_url: str, workers: int, timeout_s: float) -> None:
 
 
 def wait_split(redis_url: str, children: list[Child], timeout_s: float) -> dict[str, str]:
-    """Blocks until every scheduler among `children` owns as many of their workers as the others
+    """Blocks until every worker among `children` is owned and every scheduler owns one at least
     (schedulers that start together split the workers by lease); returns worker -> its scheduler."""
     from kvmesh.services.redis_client import connect
     from kvmesh.services.registry import owner_key, parse_lease
@@ -85,8 +85,7 @@ def wait_split(redis_url: str, children: list[Child], timeout_s: float) -> dict[
     try:
         while time.monotonic() < deadline:
             owner = {w: (parse_lease(r.get(owner_key(w))) or ("", 0))[0] for w in workers}
-            held = list(owner.values())
-            if len({held.count(s) for s in schedulers}) == 1 and set(held) <= set(schedulers):
+            if set(owner.values()) == set(schedulers):
                 return owner
             time.sleep(0.2)
     finally:
@@ -168,6 +167,11 @@ def launch(model: "str | None | Pools", workers: int, redis_url: str | None, por
             for i in range(schedulers):
                 children.append(service_child(scheduler_name(name, i, schedulers, single), "scheduler", name, redis_url,
                                               free_port(), ["--pool", name, *extra_scheduler], log_dir, env))
+        if schedulers > 1:  # all registered before any worker, so that they split the workers by share
+            started = [c for c in children if c.service == "scheduler"]
+            for child in started:
+                child.health_credentials = tls.client(child.service)
+            wait_ready(started, READY_TIMEOUTS_S)
         for name, folder in pools:
             for i in range(workers):
                 children.append(worker_child(name, i, folder, redis_url, log_dir, env, list(extra_worker), single))
