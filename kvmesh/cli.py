@@ -36,7 +36,9 @@ def _at_least_one(text: str) -> int:
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="Hugging Face checkpoint folder (default: the generated default model)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the checkpoint's dtype")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: CUDA when torch sees a device)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="override the checkpoint's dtype (default: bfloat16 on CUDA, the checkpoint's on the CPU)")
     p.add_argument("--kv-memory", type=parse_size, default=1 << 30, help="KV cache memory (default 1GiB)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--max-batched-tokens", type=int, default=1024, help="tokens per step (default 1024)")
@@ -55,6 +57,7 @@ def engine_from_args(args: argparse.Namespace):
     model_dir = args.model or default_model_dir()
     config = EngineConfig(
         model=model_dir,
+        device=args.device,
         dtype=args.dtype,
         page_size=args.page_size,
         kv_memory_bytes=args.kv_memory,
@@ -67,8 +70,14 @@ def engine_from_args(args: argparse.Namespace):
 def cmd_offline(args: argparse.Namespace) -> int:
     from kvmesh.offline import load_tokenizer, run_offline
 
+    from kvmesh.services.config import UnusableSetting
+
     lines = [line for line in args.input.read_text(encoding="utf-8").splitlines() if line.strip()]
-    engine, model_dir = engine_from_args(args)
+    try:
+        engine, model_dir = engine_from_args(args)
+    except UnusableSetting as e:
+        print(f"kvmesh offline: error: {e}", file=sys.stderr)
+        return 2
     with open(args.output, "w", encoding="utf-8") as out:
         counts = run_offline(engine, load_tokenizer(model_dir), lines, out, progress=not args.quiet)
     print(f"{counts['completed']} completed, {counts['errors']} rejected -> {args.output}", file=sys.stderr)
@@ -107,6 +116,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"kvmesh.services.{args.service}.server")
     try:
         asyncio.run(module.serve(common, cfg))
+    except c.UnusableSetting as e:  # a setting this machine cannot honour (a CUDA device it lacks, a memory budget)
+        print(f"kvmesh serve {args.service}: error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
             raise
@@ -118,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # `kvmesh up` flags for the settings people change most, each passed to the one service that reads it
 # (the rest: --SERVICE-arg).
 UP_SETTINGS = {"scheduler": ("max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "victim_policy", "batching"),
-               "worker": ("kv_memory_mib", "dtype", "threads", "page_size"),
+               "worker": ("device", "dtype", "kv_memory_mib", "gpu_memory_utilization", "threads", "page_size"),
                "router": ("api_keys", "api_keys_file", "served_model_name")}
 
 

@@ -24,9 +24,11 @@ from kvmesh.services.worker.runner import KVPool, ModelRunner
 @dataclass(frozen=True)
 class EngineConfig:
     """model: a checkpoint folder (None: the default model). KV memory is `kv_memory_bytes`
-    unless `num_pages` is given. dtype None keeps the checkpoint's."""
+    unless `num_pages` is given. device "auto" is CUDA when torch sees one; dtype None is
+    bfloat16 on CUDA and the checkpoint's on the CPU."""
 
     model: str | Path | None = None
+    device: str = "auto"
     dtype: str | None = None
     page_size: int = 16
     kv_memory_bytes: int = 1 << 30
@@ -59,7 +61,10 @@ class LLMEngine:
                 from kvmesh.modelgen import default_model_dir
 
                 model_dir = default_model_dir()
-            model = CausalLM.load(model_dir, config.dtype)
+            from kvmesh.services.worker.device import default_dtype, resolve_device
+
+            dev = resolve_device(config.device)
+            model = CausalLM.load(model_dir, default_dtype(dev, config.dtype), dev)
         self.model = model
         num_pages = config.num_pages or KVPool.pages_for_budget(model, config.kv_memory_bytes, config.page_size)
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)

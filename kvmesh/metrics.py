@@ -226,6 +226,17 @@ class WorkerMetrics:
                             (*w, "kind"), registry=registry)
         self.cold_start = Gauge("kvmesh_worker_cold_start_seconds", "Process start to ready (weights loaded, warmed up).",
                                 w, registry=registry).labels(worker)
+        # CUDA only, read through pynvml at scrape time (kvmesh/services/worker/device.py).
+        self.gpu_utilization = Gauge("kvmesh_worker_gpu_utilization_percent",
+                                     "Percent of the last sample period the GPU ran a kernel (NVML).", w, registry=registry)
+        self.gpu_temperature = Gauge("kvmesh_worker_gpu_temperature_celsius", "GPU core temperature (NVML).",
+                                     w, registry=registry)
+        self.gpu_ecc_uncorrected = Gauge("kvmesh_worker_gpu_ecc_uncorrected_errors",
+                                         "Uncorrected ECC errors since the driver loaded; above 0 fails the health check.",
+                                         w, registry=registry)
+        self.gpu_xid = Gauge("kvmesh_worker_gpu_critical_xid",
+                             "The critical XID event the device reported (0: none); any fails the health check.",
+                             w, registry=registry)
         self.worker = worker
 
 

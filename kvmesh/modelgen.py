@@ -34,6 +34,10 @@ SIZES: dict[str, dict[str, int]] = {
     # 124,668,672 parameters with untied embeddings (GPT-2-small class), for throughput runs.
     "bench-125m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
                        num_heads=12, num_kv_heads=4, max_position_embeddings=2048),
+    # 1,100,480,512 parameters: Llama-3.2-1B's layers (hidden 2048, 16 layers, 32 heads over 8 KV
+    # heads, MLP 8192) with a 32,000-token vocabulary, for GPU runs (bench/gpu_check.sh).
+    "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                     num_heads=32, num_kv_heads=8, max_position_embeddings=8192),
 }
 
 # Ids 0..4, in this order; the Llama convention (unk=0, bos=1, eos=2) comes first.

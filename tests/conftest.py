@@ -3,10 +3,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 # Generated default models go to a per-run cache, never the user's.
 os.environ.setdefault("KVMESH_CACHE", str(Path(__file__).parent.parent / ".pytest_cache" / "kvmesh"))
+# Without a GPU, kvmesh's Triton kernels run in Triton's interpreter (read when a kernel is
+# defined, so before anything imports kvmesh.kernels.triton_attention).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvmesh.modelgen import SIZES, make_model  # noqa: E402
 from reference import save_hf_checkpoint  # noqa: E402

@@ -37,10 +37,10 @@ def save_hf_checkpoint(arch: str, out: Path, **overrides) -> Path:
 
 
 @lru_cache(maxsize=8)
-def _hf_model(model_dir: str, dtype: torch.dtype):
+def _hf_model(model_dir: str, dtype: torch.dtype, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 @dataclass
@@ -49,32 +49,33 @@ class Reference:
     logits: list[torch.Tensor]  # raw float32 logits at each generated position
 
 
-def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, dtype=torch.float32) -> Reference:
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, dtype=torch.float32, device: str = "cpu") -> Reference:
     """transformers' generate, greedy, EOS ignored (the runtime is compared with ignore_eos)."""
-    model = _hf_model(str(model_dir), dtype)
+    model = _hf_model(str(model_dir), dtype, str(device))
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
+        torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
         eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
     )
     tokens = out.sequences[0, len(prompt):].tolist()
-    return Reference(tokens, [l[0].float() for l in out.logits])
+    return Reference(tokens, [l[0].float().cpu() for l in out.logits])
 
 
-def assert_matches_reference(got_tokens: list[int], got_logprobs: list[float], ref: Reference) -> int:
-    """Token-exact up to a reference near-tie (top-two logits within TIE_GAP), where the comparison
-    stops; returns how many tokens were compared. Logprobs within LOGPROB_TOL of the reference."""
+def assert_matches_reference(got_tokens: list[int], got_logprobs: list[float], ref: Reference,
+                             tie_gap: float = TIE_GAP, logprob_tol: float = LOGPROB_TOL) -> int:
+    """Token-exact up to a reference near-tie (top-two logits within `tie_gap`), where the comparison
+    stops; returns how many tokens were compared. Logprobs within `logprob_tol` of the reference."""
     assert len(got_tokens) == len(ref.token_ids), (len(got_tokens), len(ref.token_ids))
     for i, (got, want) in enumerate(zip(got_tokens, ref.token_ids)):
         logits = ref.logits[i]
         top2 = torch.topk(logits, 2).values
         if got != want:
             gap = float(top2[0] - top2[1])
-            assert gap < TIE_GAP, f"token {i}: got {got}, transformers {want}, top-two gap {gap:.2e} is no tie"
+            assert gap < tie_gap, f"token {i}: got {got}, transformers {want}, top-two gap {gap:.2e} is no tie"
             print(f"comparison stops at token {i}: reference top-two logits within {gap:.1e} (a tie)")
             return i
         want_lp = float(torch.log_softmax(logits, -1)[want])
-        assert abs(got_logprobs[i] - want_lp) < LOGPROB_TOL, (i, got_logprobs[i], want_lp)
-        if float(top2[0] - top2[1]) < TIE_GAP:
+        assert abs(got_logprobs[i] - want_lp) < logprob_tol, (i, got_logprobs[i], want_lp)
+        if float(top2[0] - top2[1]) < tie_gap:
             print(f"comparison stops after token {i}: reference near-tie, later tokens may diverge")
             return i + 1
     return len(got_tokens)

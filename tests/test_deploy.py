@@ -521,4 +521,6 @@ def test_the_gpu_overlay_gives_each_worker_a_gpu_and_the_cuda_image(gpu_manifest
     assert limits.pop("worker") == 1 and not any(limits.values())
     worker = named(gpu_manifests, "Deployment", "worker")["spec"]["template"]["spec"]["containers"][0]
     assert worker["image"] == "kvmesh:cuda"
+    env = {e["name"]: e for e in worker["env"]}
+    assert env["KVMESH_DEVICE"]["value"] == "cuda" and "KVMESH_ADVERTISE_HOST" in env  # merged, not replaced
     assert not any(gpu_limits(render(K8S)).values())

@@ -416,6 +416,13 @@ def test_three_consecutive_failures_drain_the_worker_once():
     assert tracker.status("w1") == "drain"
 
 
+def test_a_device_error_drains_the_worker_at_its_first_report():
+    tracker = HealthTracker()
+    drain = tracker.record("w1", "device", ok=False, detail="cuda:0 reports 2 uncorrected ECC error(s)")
+    assert (drain.old, drain.new) == ("healthy", "drain")
+    assert drain.reason == "device check failed 1 times in a row: cuda:0 reports 2 uncorrected ECC error(s)"
+
+
 def test_a_success_resets_the_failure_count():
     tracker = HealthTracker()
     for ok in (False, False, True, False, False):

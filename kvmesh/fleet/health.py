@@ -6,7 +6,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-CHECKS = ("inference", "memory")
+CHECKS = ("inference", "memory", "device")
+# A device's own error report (uncorrected ECC, a critical XID) is no flake to wait out: the first
+# one drains the worker, before more answers come from memory that cannot be trusted.
+DRAIN_AT_ONCE = frozenset({"device"})
 HEALTHY, FAILING, DRAIN = "healthy", "failing", "drain"
 
 
@@ -25,6 +28,7 @@ class HealthTracker:
     row (default 3) puts the worker in `drain`: it needs draining and replacing, and stays there
     (later results are ignored) until `forget`. A success resets that check's count. Checks count
     separately, so a passing memory check does not hide an inference check failing every time.
+    A check in DRAIN_AT_ONCE drains at its first failure.
     An unknown check name or failures_to_drain < 1 is a ValueError."""
 
     def __init__(self, failures_to_drain: int = 3):
@@ -48,7 +52,7 @@ class HealthTracker:
             return None
         counts = self._failures.setdefault(worker_id, {})
         counts[check] = 0 if ok else counts.get(check, 0) + 1
-        if counts[check] >= self.failures_to_drain:
+        if counts[check] >= (1 if check in DRAIN_AT_ONCE else self.failures_to_drain):
             self._drained.add(worker_id)
         new = self.status(worker_id)
         if new == old:

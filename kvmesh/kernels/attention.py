@@ -5,10 +5,13 @@ token position in one page: `slot = page_id * page_size + offset`). A sequence r
 through the slot list its page table expands to.
 
 `paged_attention_reference` is the portable definition (float32 softmax, explicit masks, no
-fused kernels). `AttentionPlan` is the fast path the model uses: decodes in one call of kvmesh's
-C++ decode kernel (`kernels/csrc/decode_attention.cpp`), prefill chunks through torch's fused
-scaled-dot-product attention per sequence. Tests hold the fast path, with and without the
-kernel, to the reference and the reference to dense causal attention.
+fused kernels). `plan_attention` picks the fast path for the model's device, once per step:
+- on the CPU, `AttentionPlan`: decodes in one call of kvmesh's C++ decode kernel
+  (`kernels/csrc/decode_attention.cpp`), prefill chunks through torch's fused
+  scaled-dot-product attention per sequence;
+- on CUDA, `TritonPlan`: kvmesh's Triton kernels over page tables (`kernels/triton_attention.py`),
+  decodes in one split-KV launch and prefill chunks in another.
+Tests hold each path to the reference and the reference to dense causal attention.
 """
 
 from __future__ import annotations
@@ -19,6 +22,28 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels import native
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def plan_attention(seqs: list[SequenceSlice], device: torch.device, backend: str = "auto", page_size: int = 16,
+                   sliding_window: int | None = None):
+    """The step's attention for `device`: `backend` "auto" takes the C++ kernel on the CPU and the
+    Triton kernels on CUDA (torch's attention where those are missing), "triton" the Triton kernels
+    anywhere (on the CPU through Triton's interpreter), "torch" torch's attention per sequence."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "triton" or (backend == "auto" and device.type == "cuda" and triton_available()):
+        return TritonPlan(seqs, device, page_size, sliding_window)
+    return AttentionPlan(seqs, use_kernel=backend == "auto")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass
@@ -74,9 +99,9 @@ class AttentionPlan:
     attention one sequence at a time: a chunk's arithmetic outweighs the call's fixed cost.
     """
 
-    def __init__(self, seqs: list[SequenceSlice]):
+    def __init__(self, seqs: list[SequenceSlice], use_kernel: bool = True):
         self.seqs = seqs
-        self.op = native.decode_attention()
+        self.op = native.decode_attention() if use_kernel else None
         self.decodes = [s for s in seqs if s.num_queries == 1] if self.op is not None else []
         self.others = [s for s in seqs if s.num_queries != 1] if self.decodes else seqs
         if self.decodes:
@@ -100,16 +125,68 @@ class AttentionPlan:
 
 
 def _sdpa_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: SequenceSlice, scale: float, out: torch.Tensor) -> None:
+    mask = s.mask
     if s.first_slot is not None:
         k = k_cache[s.first_slot : s.first_slot + s.context_len].transpose(0, 1).unsqueeze(0)
         v = v_cache[s.first_slot : s.first_slot + s.context_len].transpose(0, 1).unsqueeze(0)
     else:
-        k = k_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
-        v = v_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
+        slots = s.slots.to(k_cache.device)
+        k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        v = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+    if mask is not None and mask.device != q.device:
+        mask = mask.to(q.device)
     qs = q[s.query_start : s.query_end].transpose(0, 1).unsqueeze(0)
-    is_causal = s.mask is None and s.num_queries > 1
-    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=s.mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+    is_causal = mask is None and s.num_queries > 1
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
     out[s.query_start : s.query_end] = o[0].transpose(0, 1)
+
+
+class TritonPlan:
+    """The step's attention through kvmesh's Triton kernels: every decode in one split-KV launch,
+    every prefill chunk in another, each reading its sequence's page table (the first slot of
+    each of its pages, divided by the page size). The tables, lengths and row offsets are made
+    once per step on the host and copied to the device in one transfer per kernel."""
+
+    def __init__(self, seqs: list[SequenceSlice], device: torch.device, page_size: int, sliding_window: int | None):
+        from kvmesh.kernels import triton_attention
+
+        self.kernels = triton_attention
+        self.page_size = page_size
+        self.window = sliding_window
+        decodes = [s for s in seqs if s.num_queries == 1]
+        prefills = [s for s in seqs if s.num_queries != 1]
+        self.decode = self._metadata(decodes, device) if decodes else None
+        self.prefill = self._metadata(prefills, device) if prefills else None
+        self.max_context = max((s.context_len for s in decodes), default=0)
+        self.max_queries = max((s.num_queries for s in prefills), default=0)
+
+    def _metadata(self, seqs: list[SequenceSlice], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(query starts, query counts, context lengths, page tables) on `device`, in one buffer whose
+        parts start 16 bytes apart at least: Triton specializes a kernel on its pointers' alignment,
+        and parts at odd offsets would compile new variants as the batch size changes."""
+        n, ps = len(seqs), self.page_size
+        tables = torch.nn.utils.rnn.pad_sequence([s.slots[::ps] // ps for s in seqs], batch_first=True)
+        stride = -(-n // 4) * 4
+        packed = torch.zeros(3 * stride + tables.numel(), dtype=torch.int32)
+        for i, column in enumerate(zip(*((s.query_start, s.num_queries, s.context_len) for s in seqs))):
+            packed[i * stride : i * stride + n] = torch.tensor(column, dtype=torch.int32)
+        packed[3 * stride :] = tables.reshape(-1)
+        if device.type != "cpu":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        starts, counts, lengths = (packed[i * stride : i * stride + n] for i in range(3))
+        return starts, counts, lengths, packed[3 * stride :].view(n, tables.shape[1])
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if self.decode is not None:
+            rows, _, lengths, tables = self.decode
+            self.kernels.decode_attention(q, k_cache, v_cache, out, rows, tables, lengths, scale, self.page_size,
+                                          self.max_context, self.window)
+        if self.prefill is not None:
+            starts, counts, lengths, tables = self.prefill
+            self.kernels.prefill_attention(q, k_cache, v_cache, out, starts, counts, tables, lengths, scale,
+                                           self.page_size, self.max_queries, self.window)
+        return out
 
 
 def paged_attention_reference(

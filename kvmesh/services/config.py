@@ -102,6 +102,12 @@ def _shown(f: dataclasses.Field, value):
     return value
 
 
+class UnusableSetting(ValueError):
+    """A well-formed setting this machine cannot honour when the service starts (a CUDA device it
+    lacks, a memory budget that does not fit); the message names the flag. `kvmesh serve` prints
+    it and exits 2, as for a malformed one."""
+
+
 @dataclass(frozen=True)
 class MeshTLSConfig:
     """A process's identity inside the mesh (every service, and operator tools such as `kvmesh health`)."""
@@ -135,8 +141,11 @@ class WorkerConfig:
     port: int = dataclasses.field(default=50054, metadata=_help("gRPC port (0: pick a free one)"))
     worker_id: str = dataclasses.field(default="", metadata=_help("stable id (default: host:port)"))
     model: str = dataclasses.field(default="", metadata=_help("checkpoint folder (default: the generated default model)"))
-    dtype: str = dataclasses.field(default="", metadata=_help("float32, bfloat16 or float16 (default: the checkpoint's)"))
-    kv_memory_mib: int = dataclasses.field(default=1024, metadata=_help("KV cache memory"))
+    device: str = dataclasses.field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N (auto: CUDA when torch sees a device)"))
+    dtype: str = dataclasses.field(default="", metadata=_help("float32, bfloat16 or float16 (default: bfloat16 on CUDA, the checkpoint's on the CPU)"))
+    kv_memory_mib: int = dataclasses.field(default=0, metadata=_help("KV cache memory (0: 1024 on the CPU; on CUDA what --gpu-memory-utilization leaves)"))
+    gpu_memory_utilization: float = dataclasses.field(default=0.9, metadata=_help("CUDA: the fraction of the device's memory this worker uses in all (weights, activations, KV cache)"))
+    max_step_tokens: int = dataclasses.field(default=8192, metadata=_help("CUDA: the largest step the memory profile runs (keep >= the scheduler's --max-batched-tokens)"))
     page_size: int = dataclasses.field(default=16, metadata=_help("tokens per KV page"))
     threads: int = dataclasses.field(default=0, metadata=_help("torch threads (0: one per core)"))
     pool: str = dataclasses.field(default="default", metadata=_help("model pool (the model name clients ask for)"))
@@ -146,6 +155,15 @@ class WorkerConfig:
     def __post_init__(self):
         if self.model:
             check_checkpoint_folder("model", self.model)
+        spec = self.device.strip().lower()
+        if not (spec in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", spec)):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_memory_mib < 0:
+            raise ValueError(f"kv_memory_mib must be >= 0, got {self.kv_memory_mib}")
+        if self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if not 0.0 <= self.fault_rate <= 1.0:
             raise ValueError(f"fault_rate must be between 0 and 1, got {self.fault_rate}")
         for name in ("pool", "version"):

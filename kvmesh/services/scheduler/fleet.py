@@ -88,8 +88,8 @@ class HealthChecks:
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def check(self, loop, timeout: float) -> None:
-        inference, memory = await asyncio.gather(self.inference(loop, timeout), self.memory(loop, timeout))
-        for check, (ok, detail) in (("inference", inference), ("memory", memory)):
+        inference, (memory, device) = await asyncio.gather(self.inference(loop, timeout), self.reported(loop, timeout))
+        for check, (ok, detail) in (("inference", inference), ("memory", memory), ("device", device)):
             if ok is None:
                 continue
             transition = self.tracker.record(loop.worker_id, check, ok, detail)
@@ -132,17 +132,22 @@ class HealthChecks:
             return False, f"answered {tokens}, expected {list(info.check_answer)}"
         return True, ""
 
-    async def memory(self, loop, timeout: float) -> tuple[bool, str]:
+    async def reported(self, loop, timeout: float) -> tuple[tuple[bool, str], tuple[bool | None, str]]:
+        """The memory and device checks, from what the worker reports (`Info`): memory under
+        memory_limit_fraction, and no device error (ECC, XID on CUDA). A worker that does not answer
+        fails the memory check; its device check is then inconclusive."""
         if loop.stub is None:
-            return True, ""
+            return (True, ""), (True, "")
         try:
             info = await loop.stub.Info(worker_pb2.InfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            return False, f"Info failed: {e.code().name}"
+            return (False, f"Info failed: {e.code().name}"), (None, "")
+        memory = True, ""
         if info.memory_total_bytes and info.memory_used_bytes > self.cfg.memory_limit_fraction * info.memory_total_bytes:
-            return False, (f"{info.memory_used_bytes >> 20} MiB used of {info.memory_total_bytes >> 20} MiB, over "
-                           f"memory_limit_fraction={self.cfg.memory_limit_fraction}")
-        return True, ""
+            memory = False, (f"{info.memory_used_bytes >> 20} MiB used of {info.memory_total_bytes >> 20} MiB, over "
+                             f"memory_limit_fraction={self.cfg.memory_limit_fraction}")
+        device = (False, f"{info.device} reports {info.device_error}") if info.device_error else (True, "")
+        return memory, device
 
     async def drain(self, loop, reason: str) -> None:
         loop.draining = True

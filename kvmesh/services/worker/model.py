@@ -4,6 +4,10 @@ The math follows transformers' implementation step for step (RMSNorm in float32,
 embeddings from a float32 table, softmax attention, SiLU-gated MLP) so greedy tokens match it.
 Projections are fused at load time (q|k|v and gate|up) so one step runs few, large matrix
 products; logits are computed only for the rows that are sampled.
+
+Weights, rotary tables and the KV cache live on the model's device. Attention is planned once
+per step for that device (`kernels.attention.plan_attention`): kvmesh's C++ decode kernel on the
+CPU, its Triton kernels on CUDA, torch's attention where neither applies.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels import native
-from kvmesh.kernels.attention import AttentionPlan, SequenceSlice, write_kv
+from kvmesh.kernels.attention import SequenceSlice, plan_attention, write_kv
 from kvmesh.kernels.linear import PackedLinear
 from kvmesh.services.worker.checkpoint import DTYPES, ModelConfig, load_config, load_weights, rope_inv_freq
 
@@ -41,6 +45,15 @@ class BatchInput:
     seqs: list[SequenceSlice]
     logit_rows: torch.Tensor  # [S] long
     kv_rows: torch.Tensor | None = None  # rows whose K and V are written (None: all); others are in the cache already
+    page_size: int = 16  # the KV pool's: slot = page * page_size + offset
+
+    def to(self, device: torch.device) -> "BatchInput":
+        """The batch with its tensors on `device` (the slices stay on the host: attention plans from them)."""
+        if device.type == "cpu":
+            return self
+        move = lambda t: None if t is None else t.pin_memory().to(device, non_blocking=True)  # noqa: E731
+        return BatchInput(move(self.token_ids), move(self.positions), move(self.slots), self.seqs,
+                          move(self.logit_rows), move(self.kv_rows), self.page_size)
 
 
 def _tensor_names(cfg: ModelConfig) -> list[str]:
@@ -64,34 +77,49 @@ class CausalLM:
     `batch.logit_rows`, after writing the batch's K and V into the cache."""
 
     folder: Path | None = None  # the checkpoint folder it was loaded from (its tokenizer.json serves grammars)
+    # Attention kernels: "auto" (native C++ on the CPU, Triton on CUDA), "triton" (also on the CPU,
+    # through Triton's interpreter: tests), or "torch" (torch's attention per sequence).
+    attention_backend: str = "auto"
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.dtype = dtype
-        w = weights
+        self.device = torch.device(device)
+        w = {name: t.to(self.device) for name, t in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = PackedLinear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
-        native.decode_attention()  # found or compiled now, at load, rather than in the first request
+        if self.device.type == "cpu":
+            native.decode_attention()  # found or compiled now, at load, rather than in the first request
         self.scale = cfg.head_dim**-0.5
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * rope_inv_freq(cfg)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(dtype).to(self.device)
+        self.sin = emb.sin().to(dtype).to(self.device)
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: str | None = None) -> "CausalLM":
-        """Loads a checkpoint folder; `dtype` overrides the checkpoint's (float32, bfloat16, float16)."""
+    def load(cls, model_dir: str | Path, dtype: str | None = None, device: torch.device | str = "cpu") -> "CausalLM":
+        """Loads a checkpoint folder onto `device`; `dtype` overrides the checkpoint's (float32,
+        bfloat16, float16)."""
         cfg = load_config(model_dir)
         dtype = dtype or cfg.torch_dtype
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
         weights = load_weights(model_dir, _tensor_names(cfg), DTYPES[dtype])
-        model = cls(cfg, weights, DTYPES[dtype])
+        model = cls(cfg, weights, DTYPES[dtype], device)
         model.folder = Path(model_dir)
         return model
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights the model holds (packed CPU weights count at their dense size)."""
+        cfg = self.cfg
+        per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                     + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+        embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+        return (cfg.num_layers * per_layer + embeddings) * torch.empty((), dtype=self.dtype).element_size()
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -128,7 +156,8 @@ class CausalLM:
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
         x = self.embed[batch.token_ids]
-        attention = AttentionPlan(batch.seqs)
+        attention = plan_attention(batch.seqs, self.device, self.attention_backend, batch.page_size,
+                                   cfg.sliding_window)
         kv_rows = batch.kv_rows
         kv_slots = batch.slots if kv_rows is None else batch.slots[kv_rows]
         for i, layer in enumerate(self.layers):

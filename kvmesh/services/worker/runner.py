@@ -46,15 +46,24 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class KVPool:
-    """Preallocated K and V tensors, `[layers, num_pages * page_size, kv_heads, head_dim]` each."""
+    """Preallocated K and V tensors, `[layers, num_pages * page_size, kv_heads, head_dim]` each, on
+    the model's device."""
 
     def __init__(self, model: CausalLM, num_pages: int, page_size: int):
         cfg = model.cfg
         shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
         self.num_pages = num_pages
         self.page_size = page_size
-        self.k = lazily_zeroed(shape, model.dtype)
-        self.v = lazily_zeroed(shape, model.dtype)
+        if model.device.type == "cpu":
+            self.k = lazily_zeroed(shape, model.dtype)
+            self.v = lazily_zeroed(shape, model.dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
+            self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
 
     @staticmethod
     def pages_for_budget(model: CausalLM, memory_bytes: int, page_size: int) -> int:
@@ -99,6 +108,13 @@ class SequenceState:
             self.slots = grown
         new = torch.tensor(pages, dtype=torch.long)
         self.slots[start:end] = (new[:, None] * ps + torch.arange(ps)).flatten()
+
+
+def _drawn_on_device(sampled: list[SequenceState]) -> bool:
+    """Whether every row is a plain greedy pick, which the sampler does where the logits are (only
+    the chosen ids and their logprobs then leave the device)."""
+    return all(s.sampling_row.params.greedy and not s.sampling_row.processed and s.sampling_row.grammar is None
+               for s in sampled)
 
 
 class ModelRunner:
@@ -255,8 +271,9 @@ class ModelRunner:
             seqs=seqs,
             logit_rows=torch.tensor(logit_rows + prompt_rows, dtype=torch.long),
             kv_rows=kv_rows,
+            page_size=ps,
         )
-        return batch, sampled, prompt_states
+        return batch.to(self.model.device), sampled, prompt_states
 
     @staticmethod
     def _collect_prompt_logprobs(logprobs: torch.Tensor, prompt_states: list[tuple[SequenceState, int]]) -> None:
@@ -289,6 +306,8 @@ class ModelRunner:
         started = time.perf_counter()
         batch, sampled, prompt_states = self._build_batch(chunks)
         logits = self.model.forward(batch, self.pool.k, self.pool.v)
+        if logits.device.type != "cpu" and (prompt_states or not _drawn_on_device(sampled)):
+            logits = logits.cpu()  # the sampler's penalties, biases, grammars and draws run on the host
         raw = torch.log_softmax(logits, dim=-1)
         if prompt_states:
             self._collect_prompt_logprobs(raw[len(sampled):], prompt_states)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import grpc
+import torch
 
 from kvmesh import telemetry
 from kvmesh.metrics import WorkerMetrics, serve_metrics
@@ -30,6 +31,7 @@ from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve
 from kvmesh.services.registry import Registry
 from kvmesh.services.tls import mesh_server_credentials
 from kvmesh.services.wire import LEASE_TOKEN_METADATA, SCHEDULER_METADATA
+from kvmesh.services.worker import device
 from kvmesh.services.worker.model import CausalLM
 from kvmesh.services.worker.runner import KVPool, ModelRunner
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan
@@ -94,7 +96,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.runner: ModelRunner | None = None
         self.metrics: WorkerMetrics | None = None
         self.step_tracer: StepTracer | None = None
-        self.memory: MemoryProbe | None = None
+        self.memory: device.DeviceMonitor | None = None
         self.fault_rate = fault_rate
         # Every step runs on this one thread: torch's OpenMP pool belongs to the calling thread,
         # and steps hopping between executor threads would keep several pools alive and spinning.
@@ -156,6 +158,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         info.CopyFrom(self.info)
         info.lease_token, info.owner = self.lease_token, self.owner
         info.memory_used_bytes, info.memory_total_bytes = self.memory.read()
+        info.device_error = self.memory.error()
         return info
 
 
@@ -172,75 +175,67 @@ def inject_faults(result, rate: float) -> None:
         result.failed[token.seq_id] = "injected fault (--fault-rate)"
 
 
-class MemoryProbe:
-    """Memory in use and in total. On CUDA (through pynvml): this process's device memory on its
-    own device (found by UUID, since NVML ignores CUDA_VISIBLE_DEVICES) against the device's total;
-    where NVML cannot see the process (a PID namespace), torch's reserved memory. On CPU: this
-    process's resident memory against the machine's."""
-
-    def __init__(self):
-        import psutil
-
-        self.process = psutil.Process()
-        self.machine_total = psutil.virtual_memory().total
-        self.nvml_handle = None
-        try:
-            import pynvml
-            import torch
-
-            if torch.cuda.is_available():
-                self.device = torch.cuda.current_device()
-                pynvml.nvmlInit()
-                uuid = str(torch.cuda.get_device_properties(self.device).uuid)
-                self.nvml_handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-                self.nvml, self.torch = pynvml, torch
-        except Exception as e:  # no GPU, or pynvml not installed (the `gpu` extra)
-            if self.nvml_handle is None and "cuda" in str(e).lower():
-                log.warning("GPU memory check unavailable: %s", e)
-            self.nvml_handle = None
-
-    def resident(self) -> int:
-        return self.process.memory_info().rss
-
-    def gpu_used(self) -> int:
-        for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.nvml_handle):
-            if p.pid == self.process.pid and p.usedGpuMemory:
-                return int(p.usedGpuMemory)
-        return int(self.torch.cuda.memory_reserved(self.device))
-
-    def read(self) -> tuple[int, int]:
-        if self.nvml_handle is not None:
-            return self.gpu_used(), int(self.nvml.nvmlDeviceGetMemoryInfo(self.nvml_handle).total)
-        return self.resident(), self.machine_total
-
-    def export(self, metrics: WorkerMetrics) -> None:
-        metrics.memory.labels(metrics.worker, "resident").set_function(self.resident)
-        if self.nvml_handle is not None:
-            metrics.memory.labels(metrics.worker, "gpu_used").set_function(self.gpu_used)
-            metrics.memory.labels(metrics.worker, "gpu_total").set_function(lambda: self.read()[1])
+CPU_KV_MIB = 1024  # the KV pool on the CPU when --kv-memory-mib is not given
 
 
 def load_runner(cfg: WorkerConfig) -> ModelRunner:
+    """The model on its device and its KV pool: `--kv-memory-mib` when given (1 GiB on the CPU
+    otherwise), on CUDA what `--gpu-memory-utilization` leaves after the weights and a profiled
+    step of `--max-step-tokens`."""
     from kvmesh.modelgen import default_model_dir
 
     if cfg.threads:
-        import torch
-
         torch.set_num_threads(cfg.threads)
     started = time.monotonic()
-    model = CausalLM.load(cfg.model or default_model_dir(), cfg.dtype or None)
+    dev = device.resolve_device(cfg.device)
+    free_at_start = total = 0
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        free_at_start, total = torch.cuda.mem_get_info(dev)
+        device.kv_cache_bytes(total, free_at_start, free_at_start, 0, cfg.gpu_memory_utilization)  # the budget fits at all
+    model = CausalLM.load(cfg.model or default_model_dir(), device.default_dtype(dev, cfg.dtype), dev)
     loaded = time.monotonic()
-    num_pages = KVPool.pages_for_budget(model, cfg.kv_memory_mib << 20, cfg.page_size)
+    if cfg.kv_memory_mib or dev.type != "cuda":
+        kv_bytes = (cfg.kv_memory_mib or CPU_KV_MIB) << 20
+        plan = device.MemoryPlan(model.weight_bytes(), 0, kv_bytes)
+    else:
+        plan = profile_memory(model, cfg, free_at_start, total)
+    num_pages = KVPool.pages_for_budget(model, plan.kv_cache, cfg.page_size)
     runner = ModelRunner(model, num_pages, cfg.page_size)
     allocated = time.monotonic()
     warm_up(runner)
     if runner.max_context < model.cfg.max_position_embeddings:
         log.warning("the KV pool (%d pages of %d tokens) holds fewer tokens than the model's context of %d: "
-                    "requests are limited to %d tokens (raise --kv-memory-mib for more)", num_pages, cfg.page_size,
-                    model.cfg.max_position_embeddings, runner.max_context)
+                    "requests are limited to %d tokens (raise --kv-memory-mib%s for more)", num_pages, cfg.page_size,
+                    model.cfg.max_position_embeddings, runner.max_context,
+                    " or --gpu-memory-utilization" if dev.type == "cuda" else "")
+    log.info("model on %s in %s: %s; %d KV pages of %d tokens", dev, str(model.dtype).removeprefix("torch."),
+             plan.describe(), num_pages, cfg.page_size)
     log.info("start-up: weights %.1fs, KV pool %.1fs, warm-up %.1fs", loaded - started, allocated - loaded,
              time.monotonic() - allocated)
     return runner
+
+
+def profile_memory(model: CausalLM, cfg: WorkerConfig, free_at_start: int, total: int) -> device.MemoryPlan:
+    """Runs one prefill of `--max-step-tokens` tokens (the largest step the worker expects) over a
+    KV pool just large enough, measures the activations' peak above the weights, frees it all,
+    and sizes the KV cache from what the budget leaves (`device.kv_cache_bytes`)."""
+    tokens = min(cfg.max_step_tokens, model.cfg.max_position_embeddings)
+    probe = ModelRunner(model, -(-tokens // cfg.page_size), cfg.page_size)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    ids = [(7 * i + 3) % model.cfg.vocab_size for i in range(tokens)]
+    probe.step(StepPlan(new=[NewSequence("memory-profile", ids, tokens, SamplingParams(temperature=0.0),
+                                         list(range(probe.pool.num_pages)))],
+                        scheduled=[ScheduledChunk("memory-profile", tokens)]))
+    torch.cuda.synchronize()
+    activations = torch.cuda.max_memory_allocated() - before
+    del probe
+    torch.cuda.empty_cache()
+    free_after, _ = torch.cuda.mem_get_info()
+    kv = device.kv_cache_bytes(total, free_at_start, free_after, activations, cfg.gpu_memory_utilization)
+    return device.MemoryPlan(model.weight_bytes(), activations, kv)
 
 
 def warm_up(runner: ModelRunner) -> None:
@@ -298,6 +293,7 @@ async def watch_drain(registry: Registry, worker_id: str, server) -> None:
 async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     import psutil
 
+    dev = device.resolve_device(cfg.device)  # before anything starts: a device it lacks is a setting error
     telemetry.setup_tracing("worker")
     metrics_port = serve_metrics(common.host, cfg.metrics_port)
     service = WorkerService(cfg.fault_rate)
@@ -308,7 +304,7 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     worker_id = cfg.worker_id or address
     service.metrics = WorkerMetrics(worker_id)
     service.step_tracer = StepTracer(worker_id)
-    service.memory = MemoryProbe()
+    service.memory = device.DeviceMonitor(dev)
     service.memory.export(service.metrics)
     log.info("worker %s listening on %s, loading model", worker_id, address)
     registry = Registry(common.redis_url)
@@ -322,7 +318,8 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     service.info = worker_pb2.WorkerInfo(
         worker_id=worker_id, model=str(model_dir or "default"), num_pages=runner.pool.num_pages, page_size=runner.page_size,
         max_context=runner.max_context, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
-        epoch=epoch, pool=cfg.pool, version=cfg.version, check_prompt=prompt, check_answer=answer)
+        epoch=epoch, pool=cfg.pool, version=cfg.version, check_prompt=prompt, check_answer=answer,
+        device=str(runner.model.device), dtype=str(runner.model.dtype).removeprefix("torch."))
     cold_start = time.time() - psutil.Process().create_time()
     service.metrics.cold_start.set(cold_start)
     print(f"worker {worker_id} ready on {address} ({runner.pool.num_pages} KV pages, epoch {epoch}, "
