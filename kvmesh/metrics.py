@@ -12,7 +12,7 @@ metrics` passes on every service (no `_created` series, no gauge named `_total`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
@@ -149,7 +149,26 @@ class SchedulerMetrics:
                                     registry=registry)
         self.step_tokens = Histogram("kvmesh_step_tokens", "Tokens in one step (decodes plus prefill chunks).",
                                      w, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        # Where prompt KV came from, and the page fetches that brought it (issue 16's moving pages).
+        self.hits_by_source = Counter("kvmesh_prefix_cache_hits_by_source",
+                                      "Prompt tokens not computed for a request, by where their KV came from: local "
+                                      "(the worker's pool), peer (fetched from another worker), tier (a host-memory tier).",
+                                      ("model_name", "worker", "source"), registry=registry)
+        self.transfer_bytes = Counter("kvmesh_kv_transfer_bytes", "KV bytes fetched into the worker's pool, by source.",
+                                      ("model_name", "worker", "source"), registry=registry)
+        self.transfers = Counter("kvmesh_kv_transfers", "Page fetches, by source and outcome (ok, partial, failed, "
+                                 "no_pages: none to reserve).", ("model_name", "worker", "source", "outcome"), registry=registry)
         self.drained.labels(model_name)
+
+    def _by_source(self, worker: str):
+        """(metric, label tuple) of the per-source series of one worker."""
+        m = self.model_name
+        for source in HIT_SOURCES:
+            yield self.hits_by_source, (m, worker, source)
+        for source in TRANSFER_SOURCES:
+            yield self.transfer_bytes, (m, worker, source)
+            for outcome in TRANSFER_OUTCOMES:
+                yield self.transfers, (m, worker, source, outcome)
 
     def _series(self):
         """(metric, labels it takes besides the worker)"""
@@ -159,7 +178,12 @@ class SchedulerMetrics:
 
     def worker(self, worker: str) -> "WorkerSeries":
         """A joining worker's series, created now (its counters at 0)."""
-        return WorkerSeries(*(metric.labels(*labels, worker) for metric, labels in self._series()))
+        series = WorkerSeries(*(metric.labels(*labels, worker) for metric, labels in self._series()))
+        m = self.model_name
+        series.hits_by_source = {s: self.hits_by_source.labels(m, worker, s) for s in HIT_SOURCES}
+        series.transfer_bytes = {s: self.transfer_bytes.labels(m, worker, s) for s in TRANSFER_SOURCES}
+        series.transfers = {(s, o): self.transfers.labels(m, worker, s, o) for s in TRANSFER_SOURCES for o in TRANSFER_OUTCOMES}
+        return series
 
     def forget(self, worker: str) -> None:
         """Drops a departed worker's series, so replaced workers do not pile up."""
@@ -168,6 +192,16 @@ class SchedulerMetrics:
                 metric.remove(*labels, worker)
             except KeyError:
                 pass
+        for metric, labels in self._by_source(worker):
+            try:
+                metric.remove(*labels)
+            except KeyError:
+                pass
+
+
+HIT_SOURCES = ("local", "peer", "tier")
+TRANSFER_SOURCES = ("peer", "tier")
+TRANSFER_OUTCOMES = ("ok", "partial", "failed", "no_pages")
 
 
 @dataclass
@@ -184,6 +218,9 @@ class WorkerSeries:
     step: Histogram
     batch_size: Histogram
     step_tokens: Histogram
+    hits_by_source: dict = field(default_factory=dict)  # source -> Counter
+    transfer_bytes: dict = field(default_factory=dict)  # source -> Counter
+    transfers: dict = field(default_factory=dict)  # (source, outcome) -> Counter
 
 
 class KVCacheMetrics:
@@ -226,6 +263,14 @@ class WorkerMetrics:
                             (*w, "kind"), registry=registry)
         self.cold_start = Gauge("kvmesh_worker_cold_start_seconds", "Process start to ready (weights loaded, warmed up).",
                                 w, registry=registry).labels(worker)
+        self.pages_sent = Counter("kvmesh_kv_pages_sent_total",
+                                  "KV pages this worker sent to others (ReadPages), by where it read them: pool or tier.",
+                                  (*w, "source"), registry=registry)
+        for source in ("pool", "tier"):
+            self.pages_sent.labels(worker, source)
+        self.offload = Gauge("kvmesh_kv_offload_bytes",
+                             "The host-memory tier of evicted KV pages (--kv-offload-mib): bytes used and capacity.",
+                             (*w, "kind"), registry=registry)
         # CUDA only, read through pynvml at scrape time (kvmesh/services/worker/device.py).
         self.gpu_utilization = Gauge("kvmesh_worker_gpu_utilization_percent",
                                      "Percent of the last sample period the GPU ran a kernel (NVML).", w, registry=registry)

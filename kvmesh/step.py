@@ -79,3 +79,7 @@ class StepResult:
     tokens: list[SampledToken]
     forward_s: float = 0.0
     failed: dict[str, str] = field(default_factory=dict)  # seq id -> why, for sequences that failed alone (no token)
+    # Page hashes that entered and left the worker's host-memory tier during the step (its owner
+    # reports them; the scheduler's view of the tier follows). See services/worker/page_store.py.
+    tier_stored: list[bytes] = field(default_factory=list)
+    tier_evicted: list[bytes] = field(default_factory=list)

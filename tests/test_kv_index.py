@@ -33,7 +33,9 @@ def request(**fields):
     (dict(num_pages=5_000_000), "num_pages", "must be in [1, 1000] (max_pages_per_worker), got 5000000"),
     (dict(num_pages=0), "num_pages", "must be in [1, 1000]"),
     (dict(page_size=0), "page_size", "must be in [1, 65536]"),
-    (dict(stored=[H] * 65), "stored", "has 65 page hashes, over the pool's 64 pages"),
+    (dict(stored=[H] * 65), "stored", "has 65 page hashes, over the 64 pages of the pool and its tier"),
+    (dict(stored=[H] * 81, tier_pages=16), "stored", "has 81 page hashes, over the 80 pages of the pool and its tier"),
+    (dict(tier_pages=1001), "tier_pages", "must be at most 1000 (max_pages_per_worker), got 1001"),
     (dict(evicted=[H, b"short"]), "evicted[1]", "has 5 bytes, not a 16-byte page hash"),
     (dict(pages=kvcache_pb2.PageCounts(used=60, free=60)), "pages", "used + free + cached is 120, not the pool's 64 pages"),
 ])

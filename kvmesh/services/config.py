@@ -146,11 +146,13 @@ class WorkerConfig:
     kv_memory_mib: int = dataclasses.field(default=0, metadata=_help("KV cache memory (0: 1024 on the CPU; on CUDA what --gpu-memory-utilization leaves)"))
     gpu_memory_utilization: float = dataclasses.field(default=0.9, metadata=_help("CUDA: the fraction of the device's memory this worker uses in all (weights, activations, KV cache)"))
     max_step_tokens: int = dataclasses.field(default=8192, metadata=_help("CUDA: the largest step the memory profile runs (keep >= the scheduler's --max-batched-tokens)"))
+    kv_offload_mib: int = dataclasses.field(default=0, metadata=_help("host-memory tier for KV pages evicted from the pool, read back instead of recomputed (0: none)"))
     page_size: int = dataclasses.field(default=16, metadata=_help("tokens per KV page"))
     threads: int = dataclasses.field(default=0, metadata=_help("torch threads (0: one per core)"))
     pool: str = dataclasses.field(default="default", metadata=_help("model pool (the model name clients ask for)"))
     version: str = dataclasses.field(default="v1", metadata=_help("model version within the pool (canary rollouts split traffic by version)"))
     fault_rate: float = dataclasses.field(default=0.0, metadata=_help("TESTING ONLY: fail this fraction of requests (chosen by a hash of the request id) at their first token"))
+    fault_kill_after_pages: int = dataclasses.field(default=0, metadata=_help("TESTING ONLY: SIGKILL this worker after it has sent this many KV pages to peers (0: never)"))
 
     def __post_init__(self):
         if self.model:
@@ -162,6 +164,8 @@ class WorkerConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_memory_mib < 0:
             raise ValueError(f"kv_memory_mib must be >= 0, got {self.kv_memory_mib}")
+        if self.kv_offload_mib < 0:
+            raise ValueError(f"kv_offload_mib must be >= 0, got {self.kv_offload_mib}")
         if self.max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if not 0.0 <= self.fault_rate <= 1.0:
@@ -198,6 +202,7 @@ class SchedulerServiceConfig:
     max_queue_len: int = dataclasses.field(default=1024, metadata=_help("waiting requests at most; more get RESOURCE_EXHAUSTED"))
     max_queue_wait_s: float = dataclasses.field(default=300.0, metadata=_help("a request that could not start within this long is refused at once (RESOURCE_EXHAUSTED with a retry hint, from the queued tokens and measured throughput), and one that waits this long all the same is refused then (0: no limit)"))
     prefix_caching: bool = dataclasses.field(default=True, metadata=_help("share prompt prefixes"))
+    kv_fetch: str = dataclasses.field(default="auto", metadata=_help("read a prompt's KV pages from a peer worker or the worker's host-memory tier instead of computing them: auto (when the measured transfer rate beats the measured prefill rate), always (whenever they are held), never"))
     worker_choice: str = dataclasses.field(default="kv", metadata=_help("kv (prefix overlap vs load) or round-robin"))
     prefill_weight: float = dataclasses.field(default=1.0, metadata=_help("kv choice: cost per prompt page to prefill"))
     load_weight: float = dataclasses.field(default=0.05, metadata=_help("kv choice: cost per page of queued work"))
@@ -210,6 +215,8 @@ class SchedulerServiceConfig:
         from kvmesh.services.scheduler.placement import PlacementConfig
 
         self.core_config()
+        if self.kv_fetch not in ("auto", "always", "never"):
+            raise ValueError(f"kv_fetch must be auto, always or never, got {self.kv_fetch!r}")
         if self.max_queue_len < 1 or self.max_queue_wait_s < 0:
             raise ValueError(f"max_queue_len must be >= 1 and max_queue_wait_s >= 0, got {self.max_queue_len} and {self.max_queue_wait_s}")
         PlacementConfig(self.worker_choice, self.prefill_weight, self.load_weight, self.balance_ratio, self.balance_slack_pages)

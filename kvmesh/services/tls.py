@@ -96,11 +96,12 @@ def channel(address: str, credentials: grpc.ChannelCredentials | None = None, *,
     return module.secure_channel(address, credentials, options=list(options))
 
 
-def mesh_channel(address: str, identity: MeshIdentity | None, *, aio: bool = True):
+def mesh_channel(address: str, identity: MeshIdentity | None, *, aio: bool = True, options: tuple = ()):
     """A channel to another service of the mesh: mTLS when the mesh has an identity."""
     if identity is None:
-        return channel(address, aio=aio)
-    options = (("grpc.ssl_target_name_override", identity.server_name),) if identity.server_name else ()
+        return channel(address, aio=aio, options=options)
+    if identity.server_name:
+        options = (*options, ("grpc.ssl_target_name_override", identity.server_name))
     return channel(address, identity.channel_credentials(), aio=aio, options=options)
 
 

@@ -124,7 +124,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "total_ms", "message", "trace_id", "worker_id", "preemptions", "model_version", "resumes")
+    __slots__ = ("reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "total_ms", "message", "trace_id", "worker_id", "preemptions", "model_version", "resumes", "transferred_prompt_tokens", "transfer_source")
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,8 @@ class Finish(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESUMES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERRED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -151,7 +153,9 @@ class Finish(_message.Message):
     preemptions: int
     model_version: str
     resumes: int
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., message: _Optional[str] = ..., trace_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., preemptions: _Optional[int] = ..., model_version: _Optional[str] = ..., resumes: _Optional[int] = ...) -> None: ...
+    transferred_prompt_tokens: int
+    transfer_source: str
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., message: _Optional[str] = ..., trace_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., preemptions: _Optional[int] = ..., model_version: _Optional[str] = ..., resumes: _Optional[int] = ..., transferred_prompt_tokens: _Optional[int] = ..., transfer_source: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("tokens", "finish", "request_id", "index", "prompt_tokens")

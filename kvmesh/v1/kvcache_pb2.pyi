@@ -17,7 +17,7 @@ class PageCounts(_message.Message):
     def __init__(self, used: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "lease_token", "stored", "evicted", "full", "forget", "pages")
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "lease_token", "stored", "evicted", "full", "forget", "pages", "tier_pages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class PublishRequest(_message.Message):
     FULL_FIELD_NUMBER: _ClassVar[int]
     FORGET_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    TIER_PAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_pages: int
@@ -38,7 +39,8 @@ class PublishRequest(_message.Message):
     full: bool
     forget: bool
     pages: PageCounts
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., lease_token: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., evicted: _Optional[_Iterable[bytes]] = ..., full: _Optional[bool] = ..., forget: _Optional[bool] = ..., pages: _Optional[_Union[PageCounts, _Mapping]] = ...) -> None: ...
+    tier_pages: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., lease_token: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., evicted: _Optional[_Iterable[bytes]] = ..., full: _Optional[bool] = ..., forget: _Optional[bool] = ..., pages: _Optional[_Union[PageCounts, _Mapping]] = ..., tier_pages: _Optional[int] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("resync",)

@@ -41,7 +41,7 @@ class SubmitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_generation_pb2.StoppingParams, _Mapping]] = ..., priority: _Optional[int] = ..., version: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., resumes: _Optional[int] = ..., resumable: _Optional[bool] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_prompt_tokens", "queue_ms", "worker_id", "message", "preemptions", "version", "worker_lost", "resumes", "top_ids", "top_logprobs", "prompt")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_prompt_tokens", "queue_ms", "worker_id", "message", "preemptions", "version", "worker_lost", "resumes", "transferred_prompt_tokens", "transfer_source", "top_ids", "top_logprobs", "prompt")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,8 @@ class TokenEvent(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_LOST_FIELD_NUMBER: _ClassVar[int]
     RESUMES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERRED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -67,7 +69,9 @@ class TokenEvent(_message.Message):
     version: str
     worker_lost: bool
     resumes: int
+    transferred_prompt_tokens: int
+    transfer_source: str
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt: _worker_pb2.LogprobsOfPrompt
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., message: _Optional[str] = ..., preemptions: _Optional[int] = ..., version: _Optional[str] = ..., worker_lost: _Optional[bool] = ..., resumes: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt: _Optional[_Union[_worker_pb2.LogprobsOfPrompt, _Mapping]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., message: _Optional[str] = ..., preemptions: _Optional[int] = ..., version: _Optional[str] = ..., worker_lost: _Optional[bool] = ..., resumes: _Optional[int] = ..., transferred_prompt_tokens: _Optional[int] = ..., transfer_source: _Optional[str] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt: _Optional[_Union[_worker_pb2.LogprobsOfPrompt, _Mapping]] = ...) -> None: ...

@@ -74,27 +74,77 @@ class LogprobsOfPrompt(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "tokens", "forward_ms", "error", "failed", "failure_reasons")
+    __slots__ = ("step", "tokens", "forward_ms", "error", "failed", "failure_reasons", "tier_stored", "tier_evicted")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASONS_FIELD_NUMBER: _ClassVar[int]
+    TIER_STORED_FIELD_NUMBER: _ClassVar[int]
+    TIER_EVICTED_FIELD_NUMBER: _ClassVar[int]
     step: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_ms: float
     error: str
     failed: _containers.RepeatedScalarFieldContainer[str]
     failure_reasons: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[str]] = ..., failure_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+    tier_stored: _containers.RepeatedScalarFieldContainer[bytes]
+    tier_evicted: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[str]] = ..., failure_reasons: _Optional[_Iterable[str]] = ..., tier_stored: _Optional[_Iterable[bytes]] = ..., tier_evicted: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReadPagesRequest(_message.Message):
+    __slots__ = ("hashes", "page_bytes", "dtype")
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    page_bytes: int
+    dtype: str
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PageData(_message.Message):
+    __slots__ = ("hash", "k", "v", "from_tier")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    FROM_TIER_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    k: bytes
+    v: bytes
+    from_tier: bool
+    def __init__(self, hash: _Optional[bytes] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., from_tier: _Optional[bool] = ...) -> None: ...
+
+class FetchPagesRequest(_message.Message):
+    __slots__ = ("source", "hashes", "page_ids", "timeout_s")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    timeout_s: float
+    def __init__(self, source: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., page_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class FetchPagesResponse(_message.Message):
+    __slots__ = ("pages", "bytes", "from_tier", "error")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    FROM_TIER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    bytes: int
+    from_tier: int
+    error: str
+    def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., from_tier: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "num_pages", "page_size", "max_context", "vocab_size", "eos_token_ids", "epoch", "pool", "version", "check_prompt", "check_answer", "memory_used_bytes", "memory_total_bytes", "device_error", "device", "dtype", "lease_token", "owner")
+    __slots__ = ("worker_id", "model", "num_pages", "page_size", "max_context", "vocab_size", "eos_token_ids", "epoch", "pool", "version", "check_prompt", "check_answer", "memory_used_bytes", "memory_total_bytes", "device_error", "device", "dtype", "page_bytes", "offload_bytes", "lease_token", "owner")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +162,8 @@ class WorkerInfo(_message.Message):
     DEVICE_ERROR_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
@@ -131,6 +183,8 @@ class WorkerInfo(_message.Message):
     device_error: str
     device: str
     dtype: str
+    page_bytes: int
+    offload_bytes: int
     lease_token: int
     owner: str
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., pool: _Optional[str] = ..., version: _Optional[str] = ..., check_prompt: _Optional[_Iterable[int]] = ..., check_answer: _Optional[_Iterable[int]] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., device_error: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., lease_token: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., pool: _Optional[str] = ..., version: _Optional[str] = ..., check_prompt: _Optional[_Iterable[int]] = ..., check_answer: _Optional[_Iterable[int]] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., device_error: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., page_bytes: _Optional[int] = ..., offload_bytes: _Optional[int] = ..., lease_token: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...

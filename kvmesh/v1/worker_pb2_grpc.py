@@ -44,6 +44,16 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.ReadPages = channel.unary_stream(
+                '/kvmesh.v1.Worker/ReadPages',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.ReadPagesRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.PageData.FromString,
+                _registered_method=True)
+        self.FetchPages = channel.unary_unary(
+                '/kvmesh.v1.Worker/FetchPages',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.FetchPagesRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.FetchPagesResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -61,6 +71,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadPages(self, request, context):
+        """Worker -> worker: the leading pages of `hashes` this worker holds (its pool or its host-memory
+        tier), in order, one message per page; the stream ends at the first it does not hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchPages(self, request, context):
+        """Scheduler -> its worker: read pages from `source` (a peer worker, or this worker's own tier)
+        into pages the scheduler reserved for them, off the step path. Answers how many leading pages
+        arrived; the scheduler recomputes the rest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +100,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'ReadPages': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadPages,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReadPagesRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.PageData.SerializeToString,
+            ),
+            'FetchPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchPages,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.FetchPagesRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.FetchPagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +166,60 @@ class Worker:
             '/kvmesh.v1.Worker/Info',
             kvmesh_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Worker/ReadPages',
+            kvmesh_dot_v1_dot_worker__pb2.ReadPagesRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.PageData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/FetchPages',
+            kvmesh_dot_v1_dot_worker__pb2.FetchPagesRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.FetchPagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,16 +49,20 @@ class WorkerIndex:
 
 def check_publish(request: kvcache_pb2.PublishRequest, max_pages: int) -> None:
     """Raises InvalidRequest (naming the field and the limit) for a call no scheduler could have
-    made, before anything is applied or allocated: a pool over `max_pages` pages, more hashes than
-    the pool has pages, a hash of the wrong size, page counts that do not add up to the pool."""
+    made, before anything is applied or allocated: a pool (or tier) over `max_pages` pages, more
+    hashes than the pool and its tier hold, a hash of the wrong size, page counts that do not add
+    up to the pool."""
     if not 1 <= request.num_pages <= max_pages:
         raise InvalidRequest("num_pages", f"must be in [1, {max_pages}] (max_pages_per_worker), got {request.num_pages}")
+    if request.tier_pages > max_pages:
+        raise InvalidRequest("tier_pages", f"must be at most {max_pages} (max_pages_per_worker), got {request.tier_pages}")
+    held = request.num_pages + request.tier_pages
     if not 1 <= request.page_size <= MAX_PAGE_SIZE:
         raise InvalidRequest("page_size", f"must be in [1, {MAX_PAGE_SIZE}], got {request.page_size}")
     for name in ("stored", "evicted"):
         hashes = getattr(request, name)
-        if len(hashes) > request.num_pages:
-            raise InvalidRequest(name, f"has {len(hashes)} page hashes, over the pool's {request.num_pages} pages")
+        if len(hashes) > held:
+            raise InvalidRequest(name, f"has {len(hashes)} page hashes, over the {held} pages of the pool and its tier")
         bad = next((i for i, h in enumerate(hashes) if len(h) != HASH_BYTES), None)
         if bad is not None:
             raise InvalidRequest(f"{name}[{bad}]", f"has {len(hashes[bad])} bytes, not a {HASH_BYTES}-byte page hash")

@@ -195,6 +195,19 @@ class PagePool:
                     self.index_changes.append((True, h))
                 self.hash_of[page] = h
 
+    def adopt(self, seq_id: str, hashes: list[bytes]) -> None:
+        """Publishes the sequence's first len(hashes) pages under these hashes: pages whose KV was
+        written from elsewhere (fetched from a peer or a tier) rather than computed here."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables[seq_id]
+        for page, h in zip(table.page_ids, hashes):
+            if h not in self.index and page not in self.hash_of:
+                self.index[h] = page
+                if self.index_changes is not None:
+                    self.index_changes.append((True, h))
+                self.hash_of[page] = h
+
     def release(self, seq_id: str) -> None:
         """Drops the sequence's references; its hashed pages stay cached, the rest become free."""
         table = self.tables.pop(seq_id, None)

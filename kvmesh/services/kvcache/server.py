@@ -195,7 +195,7 @@ async def serve(common: CommonConfig, cfg: KVCacheServiceConfig) -> None:
     service = KVCacheService(PrefixStore(registry.redis), max_pages_per_worker=cfg.max_pages_per_worker,
                              registered_worker=lambda worker_id: registry.record("worker", worker_id))
     # A whole index (a resync) is one message: up to two hashes (stored, evicted) per page, framed.
-    max_message = 2 * cfg.max_pages_per_worker * (HASH_BYTES + 3) + (1 << 20)
+    max_message = 4 * cfg.max_pages_per_worker * (HASH_BYTES + 3) + (1 << 20)  # a pool and a tier as large, both lists
     server = ServiceServer(["kvmesh.v1.KVCache"], lambda s: kvcache_pb2_grpc.add_KVCacheServicer_to_server(service, s),
                            common.host, cfg.port, mesh_server_credentials(common), max_message_bytes=max_message)
     await server.start()

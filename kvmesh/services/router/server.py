@@ -454,7 +454,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                         queue_ms=event.queue_ms, ttft_ms=((first_token_at or now) - started) * 1000,
                         total_ms=(now - started) * 1000, message=event.message, trace_id=trace_id,
                         worker_id=event.worker_id, preemptions=event.preemptions, model_version=event.version,
-                        resumes=event.resumes)
+                        resumes=event.resumes, transferred_prompt_tokens=event.transferred_prompt_tokens,
+                        transfer_source=event.transfer_source)
                     self._record_finish(pool.name, finish, submit.stopping.max_new_tokens, span)
                     out.finish.CopyFrom(finish)
                     yield out

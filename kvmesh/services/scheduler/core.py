@@ -238,6 +238,11 @@ class Scheduler:
             req.num_computed_tokens = computed
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = computed
+                if req.fetched is not None:  # the part of the hit a fetch brought (unless evicted since)
+                    first, fetched, source = req.fetched
+                    ps = self.pool.page_size
+                    req.num_transferred_prompt_tokens = max(0, min(computed, (first + fetched) * ps) - first * ps)
+                    req.transfer_source = source if req.num_transferred_prompt_tokens else ""
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)

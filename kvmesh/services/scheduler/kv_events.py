@@ -6,7 +6,10 @@ worker's prefix index and giving each traced request a `kvmesh.kv.open` span (th
 with its prefix hit) and a `kvmesh.kv.release` span (the pages it gave back).
 
 `KVPublisher` sends those events to the kvcache service, which keeps the cluster-wide prefix
-index (kvmesh.services.kvcache.index): one call at a time, off the batching loop's path, each
+index (kvmesh.services.kvcache.index). A page counts as held by the worker while it is in its
+pool's prefix index or in its host-memory tier (which the worker reports with each step: the
+loop records those hashes as changes too), and a changed hash is sent as stored or evicted by
+whether it is held when the call goes out. One call at a time, off the batching loop's path, each
 carrying everything that changed since the last one and the pool's page counts. Its first call
 for a worker, and every call after kvcache asked for it (`resync`: kvcache restarted) or after a
 call failed, carries the whole index instead, so kvcache's copy is rebuilt from the owner.
@@ -74,8 +77,11 @@ class KVPublisher:
     """Publishes one worker's page events to kvcache (`kvcache()` returns its stub, or None while
     none is known), under the scheduler's lease `lease_token` on the worker."""
 
-    def __init__(self, pool: TracedPagePool, worker_id: str, epoch: int, lease_token: int, kvcache):
+    def __init__(self, pool: TracedPagePool, worker_id: str, epoch: int, lease_token: int, kvcache,
+                 tier: set[bytes] | None = None, tier_pages: int = 0):
         self.pool, self.worker_id, self.epoch, self.lease_token = pool, worker_id, epoch, lease_token
+        self.tier = tier if tier is not None else set()  # the worker's tier, as it reported it
+        self.tier_pages = tier_pages  # its capacity
         self.kvcache = kvcache
         self.changed = asyncio.Event()
         self.resync = True  # the first call carries the whole index (empty at the start)
@@ -101,15 +107,17 @@ class KVPublisher:
         used, free, cached = self._sent_counts = self._counts()
         request = kvcache_pb2.PublishRequest(
             worker_id=self.worker_id, epoch=self.epoch, num_pages=self.pool.num_pages, page_size=self.pool.page_size,
-            lease_token=self.lease_token, pages=kvcache_pb2.PageCounts(used=used, free=free, cached=cached))
+            lease_token=self.lease_token, pages=kvcache_pb2.PageCounts(used=used, free=free, cached=cached),
+            tier_pages=self.tier_pages)
         changes, self.pool.index_changes = self.pool.index_changes, []
-        final = {} if self.resync else {h: added for added, h in changes}  # each hash once, by where it ended up
-        if self.resync or len(final) > self.pool.num_pages:  # (churn while a slow call was out: send it whole)
+        changed = set() if self.resync else {h for _, h in changes}  # each hash once, by where it ended up
+        index, tier = self.pool.index, self.tier
+        if self.resync or len(changed) > self.pool.num_pages + len(tier):  # (churn while a slow call was out: send it whole)
             request.full = True
-            request.stored.extend(self.pool.index)
+            request.stored.extend(index.keys() | tier)
         else:
-            request.stored.extend(h for h, added in final.items() if added)
-            request.evicted.extend(h for h, added in final.items() if not added)
+            request.stored.extend(h for h in changed if h in index or h in tier)
+            request.evicted.extend(h for h in changed if h not in index and h not in tier)
         return request
 
     async def run(self) -> None:

@@ -40,6 +40,12 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    # Of the cached prompt tokens, those whose KV was fetched for it from a peer worker or a
+    # host-memory tier (`transfer_source`) rather than found in the worker's own pool.
+    num_transferred_prompt_tokens: int = 0
+    transfer_source: str = ""
+    # A fetch done before it was queued: (first page, pages fetched, source). Read at admission.
+    fetched: tuple[int, int, str] | None = None
     num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None

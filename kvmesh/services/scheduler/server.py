@@ -43,10 +43,10 @@ from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outco
 from kvmesh.services.scheduler.overload import MIN_RETRY_S, estimated_wait_s, overload_retry_s
 from kvmesh.services.scheduler.placement import PlacementConfig, choose_worker
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
-from kvmesh.services.scheduler.worker_loop import LogprobsTokenEvent, WorkerLoop
+from kvmesh.services.scheduler.worker_loop import Fetch, LogprobsTokenEvent, WorkerLoop
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_channel, mesh_identity, mesh_server_credentials
 from kvmesh.v1 import generation_pb2 as gen
-from kvmesh.v1 import kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -54,6 +54,10 @@ _REASONS = {r: gen.FinishReason.Value(r.name) for r in FinishReason}
 NO_WORKER_WAIT_S = 3.0
 HOLD_TTL_S = 3.0  # a holder key outlives its scheduler by at most this
 MAX_VERSION_CHARS = 128
+# A prompt is looked up for pages to fetch when at least this many of its pages are not in its
+# worker's pool; kvcache's answer is awaited this long at most (then the prompt is computed).
+MIN_FETCH_PAGES = 2
+FETCH_LOOKUP_TIMEOUT_S = 0.25
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -86,6 +90,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                          cfg.balance_ratio, cfg.balance_slack_pages)
         self._round_robin = itertools.count()
         self._kvcache_stub = None
+        self.worker_records: dict[str, dict] = {}  # the pool's registered workers, by id (all schedulers')
         self.held: dict[str, HeldRequest] = {}  # request id -> its stream, across all workers
         self._hold_now = asyncio.Event()  # a new resumable request: write its holder key now
         self.owner: dict[str, WorkerLoop] = {}  # request id -> the worker loop running it now
@@ -111,6 +116,36 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return alive[next(self._round_robin) % len(alive)]
         chosen = choose_worker(len(hashes), [w.view(hashes) for w in alive], self.placement)
         return self.workers[chosen.worker_id]
+
+    async def plan_fetch(self, worker: WorkerLoop, hashes: list[bytes]) -> Fetch | None:
+        """Where to read the pages of a prompt that `worker` would otherwise compute: its own tier,
+        or the peer worker (same pool and version, any scheduler's; found through kvcache's
+        index) holding the longest run past what the worker holds. None when nothing is held
+        elsewhere, too little, or reading it would not beat computing it (`fetch_pays`)."""
+        if not self.cfg.prefix_caching or self.cfg.kv_fetch == "never":
+            return None
+        local = worker.local_prefix_pages(hashes)
+        if len(hashes) - local < MIN_FETCH_PAGES:
+            return None
+        best = None
+        if tiered := worker.tier_run(hashes, local):
+            best = Fetch("", "tier", local, hashes[local : local + tiered])
+        stub = self._kvcache_stub
+        if stub is not None and local + tiered < len(hashes):
+            try:
+                answer = await stub.Lookup(kvcache_pb2.LookupRequest(hashes=hashes), timeout=FETCH_LOOKUP_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                answer = kvcache_pb2.LookupResponse()
+            for held in answer.workers:
+                record = self.worker_records.get(held.worker_id)
+                if (held.worker_id == worker.worker_id or record is None or record.get("epoch") != held.epoch
+                        or record.get("version", "v1") != worker.version):
+                    continue
+                if held.pages > local + (len(best.hashes) if best else 0):
+                    best = Fetch(record["address"], "peer", local, hashes[local : held.pages])
+        if best is None or len(best.hashes) < MIN_FETCH_PAGES:
+            return None
+        return best if self.cfg.kv_fetch == "always" or worker.fetch_pays(len(best.hashes)) else None
 
     def waiting_count(self) -> int:
         return sum(len(w.core.waiting) for w in self.workers.values() if w.alive)
@@ -175,18 +210,27 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._refuse_for_load(context, span, f"overloaded: a request queued now would wait about {wait_s:.0f} s "
                                         f"to start, over what max_queue_wait_s={self.cfg.max_queue_wait_s:g} allows", retry_s)
         req.eos_token_ids = tuple(worker.info.eos_token_ids)
+        fetch = await self.plan_fetch(worker, hashes)
+        if not worker.alive or worker.draining:  # it left while kvcache answered
+            fetch, worker = None, self.pick_worker(hashes, request.version)
+            if worker is None:
+                await self._no_worker(request, context, span)
         if (earlier := self.held.get(req.request_id)) is not None:
             if earlier.finish is None:
                 await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT,
                                   f"request_id {req.request_id!r} is already in use")
             self._release(earlier)  # finished, kept for a client that might resume it: the id is free again
         expected_pages = worker.view(hashes).prefix_pages
+        if fetch is not None:
+            expected_pages = max(expected_pages, fetch.first_page + len(fetch.hashes))
         try:
-            queue = worker.submit(req, hashes, expected_pages)
+            queue = worker.submit(req, hashes, expected_pages, fetch=fetch)
         except (InvalidRequest, ValueError) as e:
             await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         span.set_attributes({"kvmesh.request_id": req.request_id, "kvmesh.worker_id": worker.worker_id,
                              "kvmesh.expected_prefix_pages": expected_pages, "kvmesh.resumes": request.resumes})
+        if fetch is not None:
+            span.set_attributes({"kvmesh.fetch_source": fetch.kind, "kvmesh.fetch_pages": len(fetch.hashes)})
         held = HeldRequest(req, queue, hashes, worker, request.resumable, request.resumes)
         self.held[req.request_id] = held
         self.owner[req.request_id] = worker
@@ -450,6 +494,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if verified:
                 self._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(verified[0][1])
         records = [r for r in await self.registry.services("worker") if pool_of(r) == self.cfg.pool]
+        self.worker_records = {r["id"]: r for r in records}  # every scheduler's: page fetches read from any of them
         takeable = await self._adoptable(records)
         for record in records:
             current = self.workers.get(record["id"])
@@ -600,6 +645,7 @@ def _event_to_proto(event: TokenEvent | None, worker: WorkerLoop) -> scheduler_p
         req = event.request
         m.finish_reason = _REASONS[event.finish_reason]
         m.cached_prompt_tokens = req.num_cached_prompt_tokens
+        m.transferred_prompt_tokens, m.transfer_source = req.num_transferred_prompt_tokens, req.transfer_source
         m.preemptions = req.num_preemptions
         started = req.first_scheduled_time or req.finish_time or time.monotonic()
         m.queue_ms = (started - req.arrival_time) * 1000

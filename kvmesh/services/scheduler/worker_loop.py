@@ -6,6 +6,13 @@ each step it hands tokens to the requests' streams, and its publisher sends the 
 events (prefix-index changes, page counts) to the kvcache service write-behind (kv_events.py).
 When the stream breaks it hands its requests to `on_gone` (the service moves them to other
 workers), and fails with an ERROR finish only those nobody can take.
+
+A request submitted with a `Fetch` (part of its prompt's KV is on a peer worker or in this
+worker's host-memory tier, and reading it is cheaper than computing it) is queued only after the
+fetch: the loop reserves pages for it, asks its worker to fill them (`Worker/FetchPages`, off the
+step path: steps go on meanwhile), publishes the pages that arrived to the prefix index, and
+queues the request, whose admission then finds them as a prefix hit. Pages that did not arrive
+(the source died, the pages were evicted there) are computed as usual.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -25,7 +32,7 @@ from kvmesh.services.scheduler.core import Scheduler, TokenEvent
 from kvmesh.services.scheduler.kv_events import KVPublisher, TracedPagePool
 from kvmesh.services.scheduler.overload import Throughput, estimated_wait_s
 from kvmesh.services.scheduler.placement import WorkerView
-from kvmesh.services.scheduler.request import FinishReason, Request
+from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import SampledToken, StepResult
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -34,6 +41,25 @@ log = logging.getLogger("kvmesh.scheduler")
 
 class WorkerGone(Exception):
     pass
+
+
+# A fetch's fixed cost beside its bytes (two calls and a page reservation), and the transfer rate
+# assumed until one has been measured: what `fetch_pays` weighs against recomputing.
+FETCH_OVERHEAD_S = 0.01
+DEFAULT_TRANSFER_BYTES_PER_S = 200e6
+DEFAULT_PREFILL_TOKENS_PER_S = 500.0
+
+
+@dataclass
+class Fetch:
+    """Pages of a request's prompt to read before it is queued: `hashes` are its pages
+    `first_page ..`, held by `source` (a peer worker's address; "" this worker's tier)."""
+
+    source: str
+    kind: str  # "peer" or "tier"
+    first_page: int
+    hashes: list[bytes]
+    task: asyncio.Task | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -71,7 +97,11 @@ class WorkerLoop:
         self.health_checks: set[str] = set()  # request ids of health checks in flight (never moved)
         self.pool = TracedPagePool(self.worker_id, info.num_pages, info.page_size, cfg.prefix_caching)
         self.core = Scheduler(self.pool, cfg.core_config(), max_context=info.max_context or None)
-        self.publisher = KVPublisher(self.pool, self.worker_id, info.epoch, lease_token, kvcache)
+        self.tier: set[bytes] = set()  # the hashes in the worker's host-memory tier, as it reports them
+        tier_pages = info.offload_bytes // info.page_bytes if info.page_bytes else 0
+        self.publisher = KVPublisher(self.pool, self.worker_id, info.epoch, lease_token, kvcache, self.tier, tier_pages)
+        self.fetching: dict[str, tuple[Request, Fetch]] = {}  # requests whose pages are being fetched
+        self.transfer_bytes_per_s = DEFAULT_TRANSFER_BYTES_PER_S  # measured by fetches (moving average)
         self.streams: dict[str, asyncio.Queue] = {}
         self.queued_hashes: Counter[bytes] = Counter()  # prompt pages of this worker's requests
         self.expected_hits: dict[str, int] = {}  # request id -> prompt tokens expected from the cache
@@ -86,12 +116,10 @@ class WorkerLoop:
         self._preemptions_seen = 0
 
     def view(self, hashes: list[bytes]) -> WorkerView:
-        """What placement needs to know about this worker for a prompt with these page hashes."""
-        held = 0
-        for h in hashes:
-            if h not in self.pool.index and h not in self.queued_hashes:
-                break
-            held += 1
+        """What placement needs to know about this worker for a prompt with these page hashes (a
+        prefix in its tier counts as held: reading it back costs little)."""
+        local = self.local_prefix_pages(hashes)
+        held = local + self.tier_run(hashes, local)
         remaining = sum(self.estimated_tokens(r) for r in self.core.requests.values())
         stats = self.pool.stats()
         return WorkerView(self.worker_id, held, remaining / self.pool.page_size, stats.used + stats.cached)
@@ -113,12 +141,48 @@ class WorkerLoop:
         computed = max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0))
         return (r.num_tokens - computed) + (r.stopping.max_new_tokens - len(r.output_token_ids))
 
+    def local_prefix_pages(self, hashes: list[bytes]) -> int:
+        """Leading pages of a prompt this worker's pool holds or will hold (a queued prompt's)."""
+        held = 0
+        for h in hashes:
+            if h not in self.pool.index and h not in self.queued_hashes:
+                break
+            held += 1
+        return held
+
+    def tier_run(self, hashes: list[bytes], start: int) -> int:
+        """How many of `hashes[start:]`, leading, the worker's tier holds."""
+        n = 0
+        for h in hashes[start:]:
+            if h not in self.tier:
+                break
+            n += 1
+        return n
+
+    def fetch_pays(self, pages: int) -> bool:
+        """Whether reading `pages` pages beats computing their tokens, by this worker's measured
+        rates: its recent tokens per second of step, and the transfer rate of its past fetches."""
+        if pages <= 0 or not self.info.page_bytes:
+            return False
+        transfer_s = FETCH_OVERHEAD_S + pages * self.info.page_bytes / self.transfer_bytes_per_s
+        compute_s = pages * self.pool.page_size / (self.throughput.tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S)
+        return transfer_s < compute_s
+
     def submit(self, req: Request, hashes: list[bytes], expected_hit_pages: int,
-               queue: asyncio.Queue | None = None) -> asyncio.Queue:
+               queue: asyncio.Queue | None = None, fetch: Fetch | None = None) -> asyncio.Queue:
         """Queues the request (ValueError or InvalidRequest, changing nothing, if it cannot be).
-        `queue` is the stream of a request moved here from a drained worker."""
+        `queue` is the stream of a request moved here from a drained worker; with `fetch`, the
+        request is queued once those pages are read."""
         self.core.check_fits(req)
-        self.core.add(req)  # first: it rejects a request_id in use before any state is touched
+        if req.request_id in self.fetching:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if fetch is None or self.stub is None:
+            self.core.add(req)  # first: it rejects a request_id in use before any state is touched
+        elif req.request_id in self.core.requests or req.request_id in self.core.padding:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        else:
+            self.fetching[req.request_id] = (req, fetch)
+            fetch.task = asyncio.create_task(self._fetch_then_queue(req, fetch))
         if req.traceparent:
             self.pool.traceparents[req.request_id] = req.traceparent
         self.expected_hits[req.request_id] = expected_hit_pages * self.pool.page_size
@@ -131,6 +195,7 @@ class WorkerLoop:
     def done(self, request_id: str, hashes: list[bytes], finished: bool) -> None:
         """The request's stream ended; cancel it here unless it finished."""
         self.streams.pop(request_id, None)
+        self.fetching.pop(request_id, None)  # a fetch in flight gives its pages back and queues nothing
         self.expected_hits.pop(request_id, None)
         self.queued_hashes.subtract(hashes)
         self.queued_hashes += Counter()  # drop zero counts
@@ -139,9 +204,61 @@ class WorkerLoop:
             self.wake.set()
         self.pool.traceparents.pop(request_id, None)
 
+    async def _fetch_then_queue(self, req: Request, fetch: Fetch) -> None:
+        """Reserves pages, has the worker fill them from the source, publishes those that arrived
+        and queues the request (which then finds them as a prefix hit)."""
+        seq_id, n, nbytes, outcome = f"fetch:{req.request_id}", 0, 0, "failed"
+        self.pool.open(seq_id, [])
+        try:
+            pages = self.pool.grow(seq_id, len(fetch.hashes) * self.pool.page_size)
+            if pages is None:
+                outcome = "no_pages"
+                return
+            started = time.perf_counter()
+            timeout = 2.0 + 4 * len(pages) * self.info.page_bytes / self.transfer_bytes_per_s
+            try:
+                answer = await self.stub.FetchPages(worker_pb2.FetchPagesRequest(
+                    source=fetch.source, hashes=fetch.hashes, page_ids=pages, timeout_s=timeout), timeout=timeout + 1)
+                n, nbytes = answer.pages, answer.bytes
+                if answer.error:
+                    log.warning("fetch for %s from %s: %d of %d pages (%s); the rest is computed", req.request_id,
+                                fetch.source or "the tier", n, len(pages), answer.error)
+            except grpc.aio.AioRpcError as e:
+                log.warning("fetch for %s failed (%s); its prompt is computed", req.request_id, e.code().name)
+            elapsed = time.perf_counter() - started
+            outcome = "ok" if n == len(pages) else "partial" if n else "failed"
+            if n >= 4 and elapsed > 0:  # a rate from a handful of pages is mostly the fixed cost
+                self.transfer_bytes_per_s = 0.7 * self.transfer_bytes_per_s + 0.3 * nbytes / elapsed
+            if self.fetching.get(req.request_id, (None,))[0] is req:
+                self.pool.adopt(seq_id, fetch.hashes[:n])
+        finally:
+            self.pool.release(seq_id)
+            self.metrics.transfers[(fetch.kind, outcome)].inc()
+            self.metrics.transfer_bytes[fetch.kind].inc(nbytes)
+            if self.fetching.get(req.request_id, (None,))[0] is req:  # still wanted here
+                del self.fetching[req.request_id]
+                req.fetched = (fetch.first_page, n, fetch.kind)
+                try:
+                    self.core.add(req)
+                except ValueError as e:
+                    self._fail_unqueued(req, str(e))
+                self.wake.set()
+
+    def _fail_unqueued(self, req: Request, message: str) -> None:
+        queue = self.streams.get(req.request_id)
+        if queue is not None:
+            req.status, req.finish_reason = Status.FINISHED, FinishReason.ERROR
+            queue.put_nowait(TokenEvent(req, None, None, FinishReason.ERROR, message))
+
     def take_all(self) -> list[tuple[Request, asyncio.Queue]]:
         """Every request with its stream, removed from this worker and reset for recompute elsewhere."""
         moved = []
+        for req, fetch in self.fetching.values():
+            fetch.task.cancel()  # its pages go back as the task ends
+            queue = self.streams.pop(req.request_id, None)
+            if queue is not None:
+                moved.append((req, queue))
+        self.fetching.clear()
         for req in self.core.take_all():
             queue = self.streams.pop(req.request_id, None)
             self.expected_hits.pop(req.request_id, None)
@@ -198,6 +315,7 @@ class WorkerLoop:
                     self._fail([c.seq_id for c in plan.scheduled], f"worker {self.worker_id} step failed: {result.error}")
                     continue
                 step_result = wire.result_from_proto(result)
+                self._note_tier(step_result)
                 self._dispatch(with_logprobs(self.core.update(plan, step_result), step_result))
                 for seq_id, why in step_result.failed.items():
                     self._fail([seq_id], f"worker {self.worker_id} failed the request" + (f": {why}" if why else ""))
@@ -222,6 +340,16 @@ class WorkerLoop:
             self.publisher.close()
             await shipper
 
+    def _note_tier(self, result: StepResult) -> None:
+        """The worker's tier changes, into our view of it and the page events kvcache gets."""
+        changes = self.pool.index_changes
+        for h in result.tier_evicted:
+            self.tier.discard(h)
+            changes.append((False, h))
+        for h in result.tier_stored:
+            self.tier.add(h)
+            changes.append((True, h))
+
     def _account(self, t0: float, t1: float, t2: float, forward_s: float) -> None:
         t = self.timing
         t["steps"] += 1
@@ -238,6 +366,9 @@ class WorkerLoop:
             if req is not None and req.num_preemptions == 0:
                 m.prefix_queries.inc(len(req.prompt_token_ids))
                 m.prefix_hits.inc(req.num_cached_prompt_tokens)
+                m.hits_by_source["local"].inc(req.num_cached_prompt_tokens - req.num_transferred_prompt_tokens)
+                if req.num_transferred_prompt_tokens:
+                    m.hits_by_source[req.transfer_source].inc(req.num_transferred_prompt_tokens)
         if self.core.num_preemptions != self._preemptions_seen:
             m.preemptions.inc(self.core.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = self.core.num_preemptions
@@ -253,8 +384,9 @@ class WorkerLoop:
         """Pages in tables of sequences the core no longer tracks (neither requests nor a padded
         static batch's finished rows): a leak if ever above zero."""
         held = set()
+        fetching = {f"fetch:{r}" for r in self.fetching}
         for seq_id, table in self.pool.tables.items():
-            if seq_id not in self.core.requests and seq_id not in self.core.padding:
+            if seq_id not in self.core.requests and seq_id not in self.core.padding and seq_id not in fetching:
                 held.update(table.page_ids)
         return len(held)
 

@@ -33,6 +33,7 @@ from kvmesh.grammar import Grammars
 from kvmesh.kernels.attention import SequenceSlice, causal_mask
 from kvmesh.params import InvalidRequest, validate_sampling, validate_vocabulary
 from kvmesh.services.worker.model import BatchInput, CausalLM
+from kvmesh.services.worker.page_store import PageStore
 from kvmesh.services.worker.sampling import SamplingRow, sample, top_logprobs
 from kvmesh.step import NewSequence, PromptLogprobs, SampledToken, ScheduledChunk, StepPlan, StepResult
 
@@ -91,6 +92,7 @@ class SequenceState:
     # The cache slot of every position the pages hold, grown by doubling as pages arrive, so a
     # step reads a sequence's slots as a view instead of expanding its page table again.
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full computed pages (PageStore)
 
     def extend(self, pages: list[int]) -> None:
         if not pages:
@@ -120,10 +122,11 @@ def _drawn_on_device(sampled: list[SequenceState]) -> bool:
 class ModelRunner:
     """Runs steps for the sequences a scheduler places on this worker."""
 
-    def __init__(self, model: CausalLM, num_pages: int, page_size: int = 16):
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int = 16, offload_bytes: int = 0):
         self.model = model
         self.page_size = page_size
         self.pool = KVPool(model, num_pages, page_size)
+        self.store = PageStore(self.pool.k, self.pool.v, page_size, offload_bytes)
         self.seqs: dict[str, SequenceState] = {}
 
     @property
@@ -162,6 +165,9 @@ class ModelRunner:
         )
         state = self.seqs[new.seq_id]
         state.extend(new.page_ids)
+        prefix = new.num_computed_tokens // self.page_size  # pages of a prefix hit: their KV is kept
+        self.store.hand_out(new.page_ids[prefix:])
+        self.store.chain(state.hashes, state.token_ids, state.page_ids, prefix * self.page_size)
         # Collected only before the first token: a recomputed sequence has sent them already.
         if new.sampling.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
             state.prompt_logprobs = PromptLogprobs([], [], [])
@@ -236,6 +242,7 @@ class ModelRunner:
         window = self.model.cfg.sliding_window
         for chunk in chunks:
             state = self.seqs[chunk.seq_id]
+            self.store.hand_out(chunk.new_page_ids)
             state.extend(chunk.new_page_ids)
             end = state.num_computed_tokens + chunk.num_tokens
             start, state.rerun_prefix = state.num_computed_tokens - state.rerun_prefix, 0
@@ -302,10 +309,13 @@ class ModelRunner:
                 failed[new.seq_id] = problem
         chunks = self._runnable(plan.scheduled, failed)
         if not chunks:
-            return StepResult(tokens=[], failed=failed)
+            return self._result([], 0.0, failed)
         started = time.perf_counter()
         batch, sampled, prompt_states = self._build_batch(chunks)
         logits = self.model.forward(batch, self.pool.k, self.pool.v)
+        for chunk in chunks:  # their KV is written: full pages can be read by others now
+            state = self.seqs[chunk.seq_id]
+            self.store.chain(state.hashes, state.token_ids, state.page_ids, state.num_computed_tokens)
         if logits.device.type != "cpu" and (prompt_states or not _drawn_on_device(sampled)):
             logits = logits.cpu()  # the sampler's penalties, biases, grammars and draws run on the host
         raw = torch.log_softmax(logits, dim=-1)
@@ -325,7 +335,12 @@ class ModelRunner:
                 continue
             state.token_ids.append(token_id)
             out.append(self._sampled_token(state, token_id, logprob, raw[i]))
-        return StepResult(tokens=out, forward_s=time.perf_counter() - started, failed=failed)
+        return self._result(out, time.perf_counter() - started, failed)
+
+    def _result(self, tokens: list[SampledToken], forward_s: float, failed: dict[str, str]) -> StepResult:
+        tier_stored, tier_evicted = self.store.take_reports()
+        return StepResult(tokens=tokens, forward_s=forward_s, failed=failed, tier_stored=tier_stored,
+                          tier_evicted=tier_evicted)
 
     @staticmethod
     def _sampled_token(state: SequenceState, token_id: int, logprob: float, raw: torch.Tensor) -> SampledToken:

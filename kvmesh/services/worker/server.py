@@ -29,7 +29,7 @@ from kvmesh.services import wire
 from kvmesh.services.config import CommonConfig, WorkerConfig
 from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve_until_stopped
 from kvmesh.services.registry import Registry
-from kvmesh.services.tls import mesh_server_credentials
+from kvmesh.services.tls import mesh_channel, mesh_identity, mesh_server_credentials
 from kvmesh.services.wire import LEASE_TOKEN_METADATA, SCHEDULER_METADATA
 from kvmesh.services.worker import device
 from kvmesh.services.worker.model import CausalLM
@@ -92,8 +92,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     still raises answers with `error` set and the stream stays open. Info: what the scheduler
     needs to plan pages and validate requests (vocab_size, max_context)."""
 
-    def __init__(self, fault_rate: float = 0.0):
+    def __init__(self, fault_rate: float = 0.0, fault_kill_after_pages: int = 0, identity=None):
         self.runner: ModelRunner | None = None
+        self.identity = identity  # mTLS to peer workers (FetchPages) when set
+        self.fault_kill_after_pages = fault_kill_after_pages
+        self.pages_sent = 0
+        # Page copies for peers and fetches: off the compute thread (steps go on meanwhile) and off
+        # the event loop (a page is up to megabytes).
+        self._copies = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
         self.metrics: WorkerMetrics | None = None
         self.step_tracer: StepTracer | None = None
         self.memory: device.DeviceMonitor | None = None
@@ -121,6 +127,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._stream_owner += 1
         owner = self._stream_owner
         self.runner.seqs.clear()  # a new scheduler stream owns this worker from now on
+        self.runner.store.report_whole_tier()  # its new owner learns the tier with the first result
         self.step_tracer.clear()
         async for request in request_iterator:
             if owner != self._stream_owner:
@@ -150,6 +157,83 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         result = self.runner.step(plan)
         return result, start_ns, time.time_ns()
 
+    def _layout_problem(self, page_bytes: int, dtype: str) -> str | None:
+        store = self.runner.store
+        mine = str(self.runner.model.dtype).removeprefix("torch.")
+        if page_bytes != store.page_bytes or dtype != mine:
+            return (f"page layout differs: this worker's pages are {store.page_bytes} bytes of {mine}, "
+                    f"the reader's {page_bytes} bytes of {dtype or 'unknown'}")
+        return None
+
+    async def ReadPages(self, request, context):
+        """Streams the leading pages of `hashes` this worker holds (pool or tier), in order."""
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading its model")
+        if (problem := self._layout_problem(request.page_bytes, request.dtype)) is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        if len(request.hashes) > self.runner.pool.num_pages:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"hashes: {len(request.hashes)}, over this worker's {self.runner.pool.num_pages} pages")
+        loop = asyncio.get_running_loop()
+        pages = self.runner.store.read(list(request.hashes))
+        while (page := await loop.run_in_executor(self._copies, next, pages, None)) is not None:
+            h, k, v, from_tier = page
+            yield worker_pb2.PageData(hash=h, k=tensor_bytes(k), v=tensor_bytes(v), from_tier=from_tier)
+            self.pages_sent += 1
+            self.metrics.pages_sent.labels(self.metrics.worker, "tier" if from_tier else "pool").inc()
+            if self.fault_kill_after_pages and self.pages_sent >= self.fault_kill_after_pages:
+                log.error("killing this worker after %d pages sent (--fault-kill-after-pages)", self.pages_sent)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    async def FetchPages(self, request, context):
+        """Reads pages from a peer (or this worker's tier) into the pages its scheduler reserved."""
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading its model")
+        store, num_pages = self.runner.store, self.runner.pool.num_pages
+        hashes, pages = list(request.hashes), list(request.page_ids)
+        if len(hashes) != len(pages) or len(pages) > num_pages:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hashes and page_ids: {len(hashes)} and {len(pages)}, "
+                                f"must be as many, at most the pool's {num_pages}")
+        if pages and max(pages) >= num_pages:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page_ids: page {max(pages)} is outside the pool [0, {num_pages})")
+        loop = asyncio.get_running_loop()
+        done = nbytes = from_tier = 0
+        error = ""
+        dtype = str(self.runner.model.dtype).removeprefix("torch.")
+        started = time.monotonic()
+        channel = None
+        try:
+            if request.source:
+                channel = mesh_channel(request.source, self.identity,
+                                       options=(("grpc.max_receive_message_length", 2 * store.page_bytes + (1 << 20)),))
+                call = worker_pb2_grpc.WorkerStub(channel).ReadPages(
+                    worker_pb2.ReadPagesRequest(hashes=hashes, page_bytes=store.page_bytes, dtype=dtype),
+                    timeout=request.timeout_s or None)
+                source = _decoded(call, store)
+            else:
+                source = _local_pages(store, hashes, loop, self._copies)
+            async for h, k, v, tiered in source:
+                if done == len(pages) or h != hashes[done]:
+                    error = "the source sent a page that was not asked for"
+                    break
+                await loop.run_in_executor(self._copies, store.write, pages[done], h, k, v)
+                done += 1
+                nbytes += store.page_bytes
+                from_tier += tiered
+        except grpc.aio.AioRpcError as e:
+            error = f"{request.source}: {e.code().name}: {e.details()}"
+        except ValueError as e:
+            error = str(e)
+        finally:
+            if channel is not None:
+                await channel.close()
+        if done < len(pages) and not error:
+            error = f"the source holds only {done} of the {len(pages)} pages"
+        (log.warning if error else log.debug)(
+            "fetched %d/%d pages (%d bytes, %d from a tier) from %s in %.3fs%s", done, len(pages), nbytes, from_tier,
+            request.source or "this worker's tier", time.monotonic() - started, f": {error}" if error else "")
+        return worker_pb2.FetchPagesResponse(pages=done, bytes=nbytes, from_tier=from_tier, error=error)
+
     async def Info(self, request, context):
         """What the scheduler plans with, and the health facts it checks (memory, the check prompt)."""
         if self.runner is None:
@@ -160,6 +244,31 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         info.memory_used_bytes, info.memory_total_bytes = self.memory.read()
         info.device_error = self.memory.error()
         return info
+
+
+async def _local_pages(store, hashes: list[bytes], loop, executor):
+    """This worker's own pages (its tier, or its pool): (hash, k, v, from_tier), no wire format."""
+    pages = store.read(hashes)
+    while (page := await loop.run_in_executor(executor, next, pages, None)) is not None:
+        yield page
+
+
+async def _decoded(call, store):
+    """A peer's ReadPages stream as (hash, k, v, from_tier); ValueError for a page of the wrong size."""
+    async for data in call:
+        yield data.hash, page_from_bytes(data.k, store), page_from_bytes(data.v, store), data.from_tier
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def page_from_bytes(data: bytes, store) -> torch.Tensor:
+    """One page's K or V from the wire; ValueError when its size is not this pool's page."""
+    if len(data) * 2 != store.page_bytes:
+        raise ValueError(f"a page of {len(data)} bytes, this pool's K or V page is {store.page_bytes // 2}")
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(store.k.dtype)
+    return flat.view(store.page_shape())
 
 
 def is_faulty(seq_id: str, rate: float) -> bool:
@@ -201,7 +310,7 @@ def load_runner(cfg: WorkerConfig) -> ModelRunner:
     else:
         plan = profile_memory(model, cfg, free_at_start, total)
     num_pages = KVPool.pages_for_budget(model, plan.kv_cache, cfg.page_size)
-    runner = ModelRunner(model, num_pages, cfg.page_size)
+    runner = ModelRunner(model, num_pages, cfg.page_size, cfg.kv_offload_mib << 20)
     allocated = time.monotonic()
     warm_up(runner)
     if runner.max_context < model.cfg.max_position_embeddings:
@@ -296,7 +405,7 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     dev = device.resolve_device(cfg.device)  # before anything starts: a device it lacks is a setting error
     telemetry.setup_tracing("worker")
     metrics_port = serve_metrics(common.host, cfg.metrics_port)
-    service = WorkerService(cfg.fault_rate)
+    service = WorkerService(cfg.fault_rate, cfg.fault_kill_after_pages, mesh_identity(common))
     server = ServiceServer(["kvmesh.v1.Worker"], lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(service, s),
                            common.host, cfg.port, mesh_server_credentials(common))
     await server.start()
@@ -310,6 +419,8 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     registry = Registry(common.redis_url)
     await registry.clear_drained(worker_id)  # a fresh process: whatever drained the last one is gone with it
     service.runner = runner = await asyncio.get_running_loop().run_in_executor(service._compute, load_runner, cfg)
+    service.metrics.offload.labels(worker_id, "used").set_function(lambda: runner.store.tier_bytes)
+    service.metrics.offload.labels(worker_id, "capacity").set(runner.store.tier_capacity * runner.store.page_bytes)
     epoch = await registry.next_epoch(worker_id)
     model_dir = Path(cfg.model) if cfg.model else None
     mcfg = runner.model.cfg
@@ -319,7 +430,8 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
         worker_id=worker_id, model=str(model_dir or "default"), num_pages=runner.pool.num_pages, page_size=runner.page_size,
         max_context=runner.max_context, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
         epoch=epoch, pool=cfg.pool, version=cfg.version, check_prompt=prompt, check_answer=answer,
-        device=str(runner.model.device), dtype=str(runner.model.dtype).removeprefix("torch."))
+        device=str(runner.model.device), dtype=str(runner.model.dtype).removeprefix("torch."),
+        page_bytes=runner.store.page_bytes, offload_bytes=runner.store.tier_capacity * runner.store.page_bytes)
     cold_start = time.time() - psutil.Process().create_time()
     service.metrics.cold_start.set(cold_start)
     print(f"worker {worker_id} ready on {address} ({runner.pool.num_pages} KV pages, epoch {epoch}, "
