@@ -21,6 +21,7 @@ from kvmesh.step import NewSequence, ScheduledChunk, StepPlan
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from local_mesh import Mesh, collect, lookup
+from otlp_receiver import Receiver
 from reference import assert_matches_reference, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -171,17 +172,26 @@ def on_another_worker(mesh, prefix, holder, seed):
 
 
 @pytest.fixture(scope="module")
-def pair(model_dir):
+def receiver():
+    r = Receiver()
+    yield r
+    r.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir, receiver):
     """Two schedulers owning one worker each; the router alternates between them, and schedulers
-    fetch whenever a peer holds more of a prompt than their worker."""
+    fetch whenever a peer holds more of a prompt than their worker. Traces go to `receiver`."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+           "OTEL_BSP_SCHEDULE_DELAY": "200"}
     m = Mesh(model_dir, workers=2, schedulers=2, extra_router=["--scheduler-choice", "round-robin"],
-             extra_scheduler=["--kv-fetch", "always"])
+             extra_scheduler=["--kv-fetch", "always"], env=env)
     m.owner = m.wait_split()
     yield m
     m.close()
 
 
-def test_a_prefix_computed_on_one_worker_is_served_on_another_by_transfer(pair, model_dir):
+def test_a_prefix_computed_on_one_worker_is_served_on_another_by_transfer(pair, model_dir, receiver):
     prefix = random_ids(960, seed=10)  # 60 pages
     first = prefix + [7, 8, 9]
     *_, seeded = generate(pair.addr, ids_request(first, 4))
@@ -199,6 +209,16 @@ def test_a_prefix_computed_on_one_worker_is_served_on_another_by_transfer(pair, 
     assert scrape(sched.http, "kvmesh_prefix_cache_hits_by_source_total", **labels) >= 960
     assert scrape(sched.http, "kvmesh_kv_transfer_bytes_total", **labels) > 0
     assert scrape(sched.http, "kvmesh_kv_transfers_total", **labels, outcome="ok") >= 1
+    # The trace shows the fetch under the scheduler's span, before the request was queued.
+    spans = receiver.wait_for(bytes.fromhex(finish.trace_id), lambda s: any(x.name == "kvmesh.kv.fetch" for _, x in s)
+                              and any(x.name == "kvmesh.queue" for _, x in s))
+    fetch, = [x for _, x in spans if x.name == "kvmesh.kv.fetch"]
+    schedule, = [x for _, x in spans if x.name == "kvmesh.schedule"]
+    queue, = [x for _, x in spans if x.name == "kvmesh.queue"]
+    attrs = {a.key: a.value for a in fetch.attributes}
+    assert fetch.parent_span_id == schedule.span_id and fetch.end_time_unix_nano <= queue.end_time_unix_nano
+    assert attrs["kvmesh.fetch_source"].string_value == "peer" and attrs["kvmesh.fetched_pages"].int_value == 60
+    assert attrs["kvmesh.outcome"].string_value == "ok"
 
 
 def test_without_fetching_the_other_worker_computes_the_prefix(model_dir):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvmesh import telemetry
 from kvmesh.metrics import SchedulerMetrics
 from kvmesh.services import wire
 from kvmesh.services.config import SchedulerServiceConfig
@@ -208,6 +209,10 @@ class WorkerLoop:
         """Reserves pages, has the worker fill them from the source, publishes those that arrived
         and queues the request (which then finds them as a prefix hit)."""
         seq_id, n, nbytes, outcome = f"fetch:{req.request_id}", 0, 0, "failed"
+        parent = telemetry.context_from_traceparent(self.pool.traceparents.get(req.request_id, ""))
+        span = self.pool.tracer.start_span("kvmesh.kv.fetch", context=parent, attributes={
+            "kvmesh.worker_id": self.worker_id, "kvmesh.request_id": req.request_id, "kvmesh.fetch_source": fetch.kind,
+            "kvmesh.fetch_from": fetch.source or self.worker_id, "kvmesh.fetch_pages": len(fetch.hashes)})
         self.pool.open(seq_id, [])
         try:
             pages = self.pool.grow(seq_id, len(fetch.hashes) * self.pool.page_size)
@@ -233,6 +238,8 @@ class WorkerLoop:
                 self.pool.adopt(seq_id, fetch.hashes[:n])
         finally:
             self.pool.release(seq_id)
+            span.set_attributes({"kvmesh.fetched_pages": n, "kvmesh.fetched_bytes": nbytes, "kvmesh.outcome": outcome})
+            span.end()
             self.metrics.transfers[(fetch.kind, outcome)].inc()
             self.metrics.transfer_bytes[fetch.kind].inc(nbytes)
             if self.fetching.get(req.request_id, (None,))[0] is req:  # still wanted here
