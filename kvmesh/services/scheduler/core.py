@@ -140,6 +140,7 @@ class Scheduler:
                 req.num_preemptions += 1
             req.status = Status.WAITING
             req.num_computed_tokens = 0
+            req.fetched = None  # pages fetched into this worker: nothing to the next one
             taken.append(req)
         self.running, self.waiting, self.requests = [], [], {}
         self._release_padding()

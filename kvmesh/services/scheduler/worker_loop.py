@@ -262,6 +262,7 @@ class WorkerLoop:
         moved = []
         for req, fetch in self.fetching.values():
             fetch.task.cancel()  # its pages go back as the task ends
+            req.fetched = None
             queue = self.streams.pop(req.request_id, None)
             if queue is not None:
                 moved.append((req, queue))
@@ -338,12 +339,17 @@ class WorkerLoop:
         finally:
             self.alive = False
             call.cancel()
-            if self.on_gone is not None and self.core.requests:
+            if self.on_gone is not None and (self.core.requests or self.fetching):
                 try:
                     self.on_gone(self, reason)  # streams continue, recomputed on another worker
                 except Exception:
                     log.exception("moving the requests of worker %s failed", self.worker_id)
-            self._fail(list(self.core.requests), f"worker {self.worker_id} failed ({reason}) and no other worker could take over")
+            message = f"worker {self.worker_id} failed ({reason}) and no other worker could take over"
+            for req, fetch in list(self.fetching.values()):  # not moved: nobody took them
+                fetch.task.cancel()
+                self._fail_unqueued(req, message)
+            self.fetching.clear()
+            self._fail(list(self.core.requests), message)
             self.publisher.close()
             await shipper
 
