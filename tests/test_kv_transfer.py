@@ -221,6 +221,35 @@ def test_a_prefix_computed_on_one_worker_is_served_on_another_by_transfer(pair, 
     assert attrs["kvmesh.outcome"].string_value == "ok"
 
 
+def test_only_the_owning_scheduler_may_have_a_worker_fetch_pages(pair):
+    """FetchPages writes into pages its caller reserved: a caller without the worker's current
+    lease token (a scheduler that lost the worker, anyone else) is refused, and ReadPages refuses
+    a reader whose page layout differs."""
+    from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+    async def calls(address):
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            info = await stub.Info(worker_pb2.InfoRequest())
+            fetch = worker_pb2.FetchPagesRequest(source="", hashes=[b"x" * 16], page_ids=[0])
+            refused = []
+            for token in ("", "0", str(info.lease_token - 1)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.FetchPages(fetch, metadata=(("kvmesh-lease-token", token),) if token else ())
+                refused.append((err.value.code(), err.value.details()))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.ReadPages(worker_pb2.ReadPagesRequest(hashes=[b"x" * 16], page_bytes=info.page_bytes + 2,
+                                                                            dtype="float32")):
+                    pass
+            return info, refused, (err.value.code(), err.value.details())
+
+    worker = next(c for c in pair.children if c.name.startswith("worker"))
+    info, refused, layout = asyncio.run(calls(worker.address))
+    assert info.lease_token > 0
+    assert all(code == grpc.StatusCode.FAILED_PRECONDITION and "is not the lease token" in why for code, why in refused)
+    assert layout[0] == grpc.StatusCode.FAILED_PRECONDITION and "page layout differs" in layout[1]
+
+
 def test_without_fetching_the_other_worker_computes_the_prefix(model_dir):
     mesh = Mesh(model_dir, workers=2, schedulers=2, extra_router=["--scheduler-choice", "round-robin"],
                 extra_scheduler=["--kv-fetch", "never"])

@@ -223,7 +223,8 @@ class WorkerLoop:
             timeout = 2.0 + 4 * len(pages) * self.info.page_bytes / self.transfer_bytes_per_s
             try:
                 answer = await self.stub.FetchPages(worker_pb2.FetchPagesRequest(
-                    source=fetch.source, hashes=fetch.hashes, page_ids=pages, timeout_s=timeout), timeout=timeout + 1)
+                    source=fetch.source, hashes=fetch.hashes, page_ids=pages, timeout_s=timeout), timeout=timeout + 1,
+                    metadata=((wire.LEASE_TOKEN_METADATA, str(self.lease_token)),))
                 n, nbytes = answer.pages, answer.bytes
                 if answer.error:
                     log.warning("fetch for %s from %s: %d of %d pages (%s); the rest is computed", req.request_id,

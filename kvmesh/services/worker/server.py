@@ -189,6 +189,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Reads pages from a peer (or this worker's tier) into the pages its scheduler reserved."""
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading its model")
+        token = dict(context.invocation_metadata() or ()).get(LEASE_TOKEN_METADATA, "")
+        if not self.lease_token or token != str(self.lease_token):
+            # Only the scheduler whose step stream owns the worker reserved these pages; a stale
+            # owner's fetch would overwrite pages the new owner has handed out since.
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{LEASE_TOKEN_METADATA}: {token[:24] or 'none'} is not the lease token this worker "
+                                f"is owned with ({self.lease_token}, by {self.owner or 'no scheduler yet'})")
         store, num_pages = self.runner.store, self.runner.pool.num_pages
         hashes, pages = list(request.hashes), list(request.page_ids)
         if len(hashes) != len(pages) or len(pages) > num_pages:
