@@ -4,10 +4,14 @@
 // several times what one decode query's memory traffic needs; a step with 32 decoding sequences
 // made 32 calls per layer. This kernel takes all decoding sequences of a step at once, reads each
 // sequence's K and V in place through its slot list (no gather), and splits the work over
-// (sequence, KV head) pairs with ATen's thread pool. Softmax is in float32, as in SDPA.
-// With AVX-512 and a head size that is a multiple of 16 (float32, bfloat16 and float16 alike),
-// each K and V row is read once for all query heads of its GQA group, in one pass with an online
-// softmax: decode attention is memory-bound, so the bytes read are what it costs.
+// sequences (all KV heads of a slot's row together, so rows stream in order) or, with fewer
+// sequences than twice the threads, (sequence, KV head) pairs, with ATen's thread pool. Softmax is
+// in float32, as in SDPA. With AVX-512 and a head size that is a multiple of 16 (float32,
+// bfloat16 and float16 alike), each K and V row is read once for all query heads of its GQA
+// group, in one pass with an online softmax; 16 keys' scores are reduced together (`sum16`) and
+// the weighted sum of V runs four accumulator sets, so neither waits on one instruction's latency
+// (2026-12-01, 32 sequences of 620 tokens, 12 heads over 4, head_dim 64, two threads: bfloat16
+// 0.96 -> 0.76 ms per call, float32 1.63 -> 1.27 ms).
 //
 // Registered as torch.ops.kvmesh.decode_attention_ (writes into `out`).
 
@@ -64,77 +68,133 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+// The 16 horizontal sums of x[0..15] as one vector (lane i = sum of x[i]'s lanes): a transpose
+// and add in four levels, about 46 instructions, where 16 separate reductions take three times as
+// many, each a chain of dependent shuffles. Scores of 16 keys come out of one call.
+inline __m512 sum16(__m512* x) {
+  __m512 y[8], z[4];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves folded: [x2i c0+c2, c1+c3, x2i+1 c0+c2, c1+c3]
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit chunk c holds 4 partial sums of x[4i + c]
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(z[0], z[1]), _mm512_unpackhi_ps(z[0], z[1]));
+  const __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(z[2], z[3]), _mm512_unpackhi_ps(z[2], z[3]));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xEE));
+  // w's lane 4c + j is the sum of x[4j + c]: put lane i at x[i].
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, w);
+}
+
 // Tokens per block of the online softmax: a block of K and V rows (32 x 128 float32 values is
 // 16 KiB each) stays in L1/L2 while every query head of the group goes over it, so each row comes
 // from memory once per group; the running max and the accumulators are rescaled once per block.
 constexpr int64_t kBlock = 32;
 
-// One (sequence, KV head): every query head of its GQA group, block by block over the context,
-// with an online softmax in float32. `qf` holds the group's queries in float32 ([group][D]);
-// `acc` ([group][D]), `scores` ([group][kBlock]), `m` and `sums` ([group]) are scratch; on return
-// acc[g] / sums[g] is head g's output.
+// One sequence, KV heads [0, heads) of the pointers given: every query head of each KV head's GQA
+// group, block by block over the context, with an online softmax in float32. Within a block the
+// KV heads go one after another over the same rows, so a block's rows (all heads of a slot are
+// contiguous) stream from memory once, in order, and are read again from cache. `qf` holds the
+// queries in float32 ([heads][group][D]); `acc` ([heads][group][D]), `scores` ([group][kBlock]),
+// `m` and `sums` ([heads][group]) are scratch; on return acc[h] / sums[h] is query head h's output.
 template <typename scalar_t, int64_t kVec>
-void group_avx512(const float* qf, const scalar_t* k, const scalar_t* v, const int64_t* slots, int64_t n,
-                  int64_t k_s0, int64_t v_s0, int64_t group, float scale, float* acc, float* scores, float* m,
-                  float* sums, float* kbuf, float* vbuf) {
+void heads_avx512(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k_s1, int64_t v_s1,
+                  const int64_t* slots, int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads, int64_t group,
+                  float scale, float* acc, float* scores, float* m, float* sums, float* kbuf, float* vbuf) {
   constexpr int64_t D = kVec * 16;
   constexpr bool kWide = std::is_same_v<scalar_t, float>;
-  for (int64_t g = 0; g < group; ++g) {
-    m[g] = -std::numeric_limits<float>::infinity();
-    sums[g] = 0.f;
-    for (int64_t d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+  for (int64_t h = 0; h < heads * group; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    sums[h] = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc[h * D + d] = 0.f;
   }
   for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
     const int64_t b = std::min(kBlock, n - t0);
     const int64_t* block = slots + t0;
-    if constexpr (!kWide) {  // half precision: widen the block's rows once, not once per head
-      for (int64_t t = 0; t < b; ++t) {
-        const scalar_t* key = k + block[t] * k_s0;
-        const scalar_t* value = v + block[t] * v_s0;
-        for (int64_t j = 0; j < kVec; ++j) {
-          _mm512_storeu_ps(kbuf + t * D + 16 * j, load16(key + 16 * j));
-          _mm512_storeu_ps(vbuf + t * D + 16 * j, load16(value + 16 * j));
+    for (int64_t kvh = 0; kvh < heads; ++kvh) {
+      const scalar_t* kh = k + kvh * k_s1;
+      const scalar_t* vh = v + kvh * v_s1;
+      if constexpr (!kWide) {  // half precision: widen the block's rows once, not once per query head
+        for (int64_t t = 0; t < b; ++t) {
+          const scalar_t* key = kh + block[t] * k_s0;
+          const scalar_t* value = vh + block[t] * v_s0;
+          for (int64_t j = 0; j < kVec; ++j) {
+            _mm512_storeu_ps(kbuf + t * D + 16 * j, load16(key + 16 * j));
+            _mm512_storeu_ps(vbuf + t * D + 16 * j, load16(value + 16 * j));
+          }
         }
       }
-    }
-    auto key_row = [&](int64_t t) -> const float* {
-      if constexpr (kWide) return k + block[t] * k_s0; else return kbuf + t * D;
-    };
-    auto value_row = [&](int64_t t) -> const float* {
-      if constexpr (kWide) return v + block[t] * v_s0; else return vbuf + t * D;
-    };
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 qv[kVec], av[kVec];
-      for (int64_t j = 0; j < kVec; ++j) qv[j] = _mm512_loadu_ps(qf + g * D + 16 * j);
-      float* sg = scores + g * kBlock;
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < b; ++t) {
-        const float* key = key_row(t);
-        __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
-        for (int64_t j = 1; j < kVec; ++j) dot = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(key + 16 * j), dot);
-        sg[t] = _mm512_reduce_add_ps(dot) * scale;
-        block_max = std::max(block_max, sg[t]);
+      auto key_row = [&](int64_t t) -> const float* {
+        if constexpr (kWide) return kh + block[t] * k_s0; else return kbuf + t * D;
+      };
+      auto value_row = [&](int64_t t) -> const float* {
+        if constexpr (kWide) return vh + block[t] * v_s0; else return vbuf + t * D;
+      };
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kvh * group + g;
+        __m512 qv[kVec], av[kVec];
+        for (int64_t j = 0; j < kVec; ++j) qv[j] = _mm512_loadu_ps(qf + h * D + 16 * j);
+        float* sg = scores + g * kBlock;
+        __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t i0 = 0; i0 < b; i0 += 16) {  // 16 keys' dot products, summed together
+          const int64_t c = std::min<int64_t>(16, b - i0);
+          __m512 dots[16];
+          for (int64_t i = 0; i < 16; ++i) {
+            if (i >= c) {
+              dots[i] = _mm512_setzero_ps();
+              continue;
+            }
+            const float* key = key_row(i0 + i);
+            __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+            for (int64_t j = 1; j < kVec; ++j) dot = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(key + 16 * j), dot);
+            dots[i] = dot;
+          }
+          const __mmask16 lanes = c == 16 ? __mmask16(0xFFFF) : __mmask16((1u << c) - 1);
+          const __m512 sc = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
+          _mm512_mask_storeu_ps(sg + i0, lanes, sc);
+          maxv = _mm512_mask_max_ps(maxv, lanes, maxv, sc);
+        }
+        const float m_new = std::max(m[h], _mm512_reduce_max_ps(maxv));
+        const float alpha = std::exp(m[h] - m_new);  // 0 on the first block (m = -inf)
+        const __m512 mv = _mm512_set1_ps(m_new);
+        __m512 sumv = _mm512_setzero_ps();
+        for (int64_t t = 0; t < b; t += 16) {
+          const __mmask16 lanes = b - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b - t)) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, sg + t), mv)));
+          _mm512_mask_storeu_ps(sg + t, lanes, e);
+          sumv = _mm512_add_ps(sumv, e);
+        }
+        sums[h] = sums[h] * alpha + _mm512_reduce_add_ps(sumv);
+        m[h] = m_new;
+        // Four accumulator sets, one per token of four in turn: one set would wait on each FMA's
+        // latency at every token.
+        const __m512 a = _mm512_set1_ps(alpha);
+        __m512 a1[kVec], a2[kVec], a3[kVec];
+        for (int64_t j = 0; j < kVec; ++j) {
+          av[j] = _mm512_mul_ps(a, _mm512_loadu_ps(acc + h * D + 16 * j));
+          a1[j] = a2[j] = a3[j] = _mm512_setzero_ps();
+        }
+        int64_t t = 0;
+        for (; t + 4 <= b; t += 4) {
+          const float *v0 = value_row(t), *v1 = value_row(t + 1), *v2 = value_row(t + 2), *v3 = value_row(t + 3);
+          const __m512 p0 = _mm512_set1_ps(sg[t]), p1 = _mm512_set1_ps(sg[t + 1]);
+          const __m512 p2 = _mm512_set1_ps(sg[t + 2]), p3 = _mm512_set1_ps(sg[t + 3]);
+          for (int64_t j = 0; j < kVec; ++j) {
+            av[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * j), av[j]);
+            a1[j] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * j), a1[j]);
+            a2[j] = _mm512_fmadd_ps(p2, _mm512_loadu_ps(v2 + 16 * j), a2[j]);
+            a3[j] = _mm512_fmadd_ps(p3, _mm512_loadu_ps(v3 + 16 * j), a3[j]);
+          }
+        }
+        for (; t < b; ++t) {
+          const float* value = value_row(t);
+          const __m512 p = _mm512_set1_ps(sg[t]);
+          for (int64_t j = 0; j < kVec; ++j) av[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * j), av[j]);
+        }
+        for (int64_t j = 0; j < kVec; ++j)
+          _mm512_storeu_ps(acc + h * D + 16 * j, _mm512_add_ps(_mm512_add_ps(av[j], a1[j]), _mm512_add_ps(a2[j], a3[j])));
       }
-      const float m_new = std::max(m[g], block_max);
-      const float alpha = std::exp(m[g] - m_new);  // 0 on the first block (m = -inf)
-      const __m512 mv = _mm512_set1_ps(m_new);
-      __m512 sumv = _mm512_setzero_ps();
-      for (int64_t t = 0; t < b; t += 16) {
-        const __mmask16 lanes = b - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b - t)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, sg + t), mv)));
-        _mm512_mask_storeu_ps(sg + t, lanes, e);
-        sumv = _mm512_add_ps(sumv, e);
-      }
-      sums[g] = sums[g] * alpha + _mm512_reduce_add_ps(sumv);
-      m[g] = m_new;
-      const __m512 a = _mm512_set1_ps(alpha);
-      for (int64_t j = 0; j < kVec; ++j) av[j] = _mm512_mul_ps(a, _mm512_loadu_ps(acc + g * D + 16 * j));
-      for (int64_t t = 0; t < b; ++t) {
-        const float* value = value_row(t);
-        const __m512 p = _mm512_set1_ps(sg[t]);
-        for (int64_t j = 0; j < kVec; ++j) av[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * j), av[j]);
-      }
-      for (int64_t j = 0; j < kVec; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, av[j]);
     }
   }
 }
@@ -160,72 +220,86 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
   // Like torch's own kernels, stay on the calling thread when the work is small: a parallel region
   // costs more than a few thousand dot products, and idle pool threads spin on shared cores.
-  const int64_t work_items = num_seqs * kv_heads;
+  // A work item is one sequence with all its KV heads (its rows stream in order) when there are
+  // enough sequences to share among the threads, else one (sequence, KV head).
   const int64_t key_elements = slot_ids.size(0) * kv_heads * head_dim;  // K (and V) values read
+  const bool whole_rows = num_seqs >= 2 * at::get_num_threads();
+  const int64_t heads_per_item = whole_rows ? kv_heads : 1;
+  const int64_t work_items = num_seqs * (kv_heads / heads_per_item);
   const int64_t grain = key_elements < kParallelMinElements ? std::max<int64_t>(work_items, 1) : 1;
   at::parallel_for(0, work_items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), sums(group), maxes(group), scores;
+    std::vector<float> qf(kv_heads * group * head_dim), acc(kv_heads * group * head_dim), sums(kv_heads * group),
+        maxes(kv_heads * group), scores;
     std::vector<float> kbuf, vbuf;  // a block of K and V rows widened to float32 (half precision only)
 #if defined(__AVX512F__)
     if constexpr (!std::is_same_v<scalar_t, float>) kbuf.resize(kBlock * head_dim), vbuf.resize(kBlock * head_dim);
 #endif
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t s = work / kv_heads, kvh = work % kv_heads;
+      const int64_t items_per_seq = kv_heads / heads_per_item;
+      const int64_t s = work / items_per_seq, kv0 = (work % items_per_seq) * heads_per_item;
       const int64_t row = rows[s], first = ptr[s], n = ptr[s + 1] - first;
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = qp + row * q_s0 + (kvh * group + g) * q_s1;
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(src[d]);
-      }
 #if defined(__AVX512F__)
       if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+        const int64_t h0 = kv0 * group, nh = heads_per_item * group;  // query heads [h0, h0 + nh)
+        for (int64_t h = 0; h < nh; ++h) {
+          const scalar_t* src = qp + row * q_s0 + (h0 + h) * q_s1;
+          for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]);
+        }
         scores.resize(group * kBlock);
-        group_avx512<scalar_t, kHeadDim / 16>(qf.data(), kp + kvh * k_s1, vp + kvh * v_s1, slots + first, n, k_s0,
-                                              v_s0, group, fscale, acc.data(), scores.data(), maxes.data(),
-                                              sums.data(), kbuf.data(), vbuf.data());
+        heads_avx512<scalar_t, kHeadDim / 16>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first,
+                                              n, k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
+                                              maxes.data(), sums.data(), kbuf.data(), vbuf.data());
+        for (int64_t h = 0; h < nh; ++h) {
+          scalar_t* dst = op + row * o_s0 + (h0 + h) * o_s1;
+          const float inv = 1.f / sums[h];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
+        }
+        continue;
+      }
+#endif
+      // The portable path, one KV head at a time.
+      for (int64_t kvh = kv0; kvh < kv0 + heads_per_item; ++kvh) {
+        for (int64_t g = 0; g < group; ++g) {
+          const scalar_t* src = qp + row * q_s0 + (kvh * group + g) * q_s1;
+          for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(src[d]);
+        }
+        scores.resize(group * n);
+        for (int64_t t = 0; t < n; ++t) {
+          const scalar_t* key = kp + slots[first + t] * k_s0 + kvh * k_s1;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
+            scores[g * n + t] = dot * fscale;
+          }
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * n;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; ++t) {
+            sg[t] = std::exp(sg[t] - m);
+            sum += sg[t];
+          }
+          sums[g] = sum;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const scalar_t* value = vp + slots[first + t] * v_s0 + kvh * v_s1;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * n + t];
+            float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(value[d]);
+          }
+        }
         for (int64_t g = 0; g < group; ++g) {
           scalar_t* dst = op + row * o_s0 + (kvh * group + g) * o_s1;
           const float inv = 1.f / sums[g];
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv);
         }
-        continue;
-      }
-#endif
-      scores.resize(group * n);
-      for (int64_t t = 0; t < n; ++t) {
-        const scalar_t* key = kp + slots[first + t] * k_s0 + kvh * k_s1;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
-          scores[g * n + t] = dot * fscale;
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
-        }
-        sums[g] = sum;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const scalar_t* value = vp + slots[first + t] * v_s0 + kvh * v_s1;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + t];
-          float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(value[d]);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = op + row * o_s0 + (kvh * group + g) * o_s1;
-        const float inv = 1.f / sums[g];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv);
       }
     }
   });
