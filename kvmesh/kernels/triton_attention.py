@@ -34,6 +34,29 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_table, tok, t_ok, kv_head, d, d_ok,
+             stride_ks, stride_kh, stride_vs, stride_vh, PAGE_SIZE: tl.constexpr):
+    """K and V rows of positions `tok` (masked by t_ok) of sequence `seq`, through its page table."""
+    page = tl.load(tables_ptr + seq * stride_table + tok // PAGE_SIZE, mask=t_ok, other=0)
+    slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _softmax_step(qk, v, m_i, l_i, acc):
+    """One tile of the online softmax (base 2): `qk` are the tile's scores (-inf where not seen)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, rows_ptr, tables_ptr, context_lens_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -67,19 +90,11 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
         t_ok = tok < hi
-        page = tl.load(tables_ptr + seq * stride_table + tok // PAGE_SIZE, mask=t_ok, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_table, tok, t_ok, kv_head, d, d_ok,
+                        stride_ks, stride_kh, stride_vs, stride_vh, PAGE_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         qk = tl.where(t_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc)
 
     out_mask = g_ok[:, None] & d_ok[None, :]
     pa = part_acc_ptr + seq * stride_pa_s + heads[:, None] * stride_pa_h + split * stride_pa_p + d[None, :]
@@ -149,22 +164,14 @@ def _prefill_kernel(
     for start in range(lo, last, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
         t_ok = tok < last
-        page = tl.load(tables_ptr + seq * stride_table + tok // PAGE_SIZE, mask=t_ok, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_table, tok, t_ok, kv_head, d, d_ok,
+                        stride_ks, stride_kh, stride_vs, stride_vh, PAGE_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         visible = t_ok[None, :] & (tok[None, :] <= q_pos[:, None])
         if window > 0:
             visible = visible & (tok[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + m_idx)[:, None] * stride_ot + head * stride_oh + d[None, :],
