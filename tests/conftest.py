@@ -67,3 +67,13 @@ def mesh(model_dir):
     m = Mesh(model_dir, workers=1)
     yield m
     m.close()
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    """An OTLP trace endpoint (otlp_receiver.Receiver) for a module's mesh; `receiver.env` points services at it."""
+    from otlp_receiver import Receiver
+
+    r = Receiver()
+    yield r
+    r.server.stop(0)

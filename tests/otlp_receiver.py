@@ -22,6 +22,12 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.server.add_insecure_port(f"127.0.0.1:{self.port}")
         self.server.start()
 
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for services that export their spans here, in batches every 200 ms."""
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+                "OTEL_BSP_SCHEDULE_DELAY": "200"}
+
     def Export(self, request, context):
         with self.lock:
             for resource_spans in request.resource_spans:

@@ -21,7 +21,6 @@ from kvmesh.step import NewSequence, ScheduledChunk, StepPlan
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from local_mesh import Mesh, collect, lookup
-from otlp_receiver import Receiver
 from reference import assert_matches_reference, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -172,20 +171,11 @@ def on_another_worker(mesh, prefix, holder, seed):
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    r = Receiver()
-    yield r
-    r.server.stop(0)
-
-
-@pytest.fixture(scope="module")
 def pair(model_dir, receiver):
     """Two schedulers owning one worker each; the router alternates between them, and schedulers
     fetch whenever a peer holds more of a prompt than their worker. Traces go to `receiver`."""
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_BSP_SCHEDULE_DELAY": "200"}
     m = Mesh(model_dir, workers=2, schedulers=2, extra_router=["--scheduler-choice", "round-robin"],
-             extra_scheduler=["--kv-fetch", "always"], env=env)
+             extra_scheduler=["--kv-fetch", "always"], env=receiver.env)
     m.owner = m.wait_split()
     yield m
     m.close()

@@ -12,23 +12,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from local_mesh import Mesh, collect, wait_idle
-from otlp_receiver import Receiver
 
 SERVICES = {"kvmesh-router", "kvmesh-scheduler", "kvmesh-kvcache", "kvmesh-worker"}
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    r = Receiver()
-    yield r
-    r.server.stop(0)
-
-
-@pytest.fixture(scope="module")
 def mesh(model_dir, receiver):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    m = Mesh(model_dir, workers=2, schedulers=2, env=env)
+    m = Mesh(model_dir, workers=2, schedulers=2, env=receiver.env)
     m.wait_split()  # one worker each: the router then chooses a scheduler by kvcache's prefix index
     yield m
     m.close()
