@@ -125,7 +125,10 @@ def test_the_canary_split_is_the_same_in_two_router_processes(one_worker_mesh, m
     try:
         wait_scheduled(mesh.redis_url, 2, timeout_s=60)
         wait_serving(f"127.0.0.1:{port}", 60, router2)
-        rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "25,100", "--interval", "1h")
+        # Only the split is under test: no latency verdict may roll the canary back meanwhile (a
+        # fresh canary's p99 over a few requests on a loaded machine was 3.1x a warm stable's).
+        rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "25,100", "--interval", "1h",
+                "--max-p99-ratio", "1000")
         wait_rollout_read(mesh.addr, f"127.0.0.1:{port}")
         ids = [f"request-{i}" for i in range(40)]
         first = asyncio.run(run_all(mesh.addr, [greedy("split me", 2, request_id=i) for i in ids]))
@@ -211,10 +214,11 @@ def test_a_healthy_canary_is_promoted_to_100_percent(one_worker_mesh, model_dir)
     try:
         wait_scheduled(mesh.redis_url, 2, timeout_s=60)
         # Two identical workers on two shared cores: p99s of a few 3-token requests (tens of ms)
-        # differ by noise alone, up to 1.7x in CI runs. The latency verdict has its unit tests
-        # (tests/test_fleet.py); here it only must not take a healthy canary for a slow one.
+        # differ by noise alone, up to 1.7x in CI runs and 3.1x on a loaded machine. The latency
+        # verdict has its unit tests (tests/test_fleet.py); here it only must not take a healthy
+        # canary for a slow one.
         rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "50,100", "--interval", "2s",
-                "--min-requests", "4", "--max-p99-ratio", "3")
+                "--min-requests", "4", "--max-p99-ratio", "10")
         wait_rollout_read(mesh.addr)
         finishes = drive_until(mesh, lambda s: s["status"] != "running", batch=2)
         state = rollout_state(mesh)
