@@ -317,7 +317,11 @@ def load_runner(cfg: WorkerConfig) -> ModelRunner:
     else:
         plan = profile_memory(model, cfg, free_at_start, total)
     num_pages = KVPool.pages_for_budget(model, plan.kv_cache, cfg.page_size)
-    runner = ModelRunner(model, num_pages, cfg.page_size, cfg.kv_offload_mib << 20)
+    try:
+        runner = ModelRunner(model, num_pages, cfg.page_size, cfg.kv_offload_mib << 20)
+    except torch.cuda.OutOfMemoryError as e:
+        raise device.DeviceError(f"kv_memory_mib: {plan.kv_cache >> 20} MiB of KV cache do not fit on {dev} "
+                                 f"beside the weights ({e}): lower it, or leave it 0 for --gpu-memory-utilization") from None
     allocated = time.monotonic()
     warm_up(runner)
     if runner.max_context < model.cfg.max_position_embeddings:
@@ -332,19 +336,26 @@ def load_runner(cfg: WorkerConfig) -> ModelRunner:
     return runner
 
 
+PROFILE_SEQS = 256  # the sampled rows of the profiled step: each one's logits are a vocabulary of float32
+
+
 def profile_memory(model: CausalLM, cfg: WorkerConfig, free_at_start: int, total: int) -> device.MemoryPlan:
-    """Runs one prefill of `--max-step-tokens` tokens (the largest step the worker expects) over a
-    KV pool just large enough, measures the activations' peak above the weights, frees it all,
-    and sizes the KV cache from what the budget leaves (`device.kv_cache_bytes`)."""
-    tokens = min(cfg.max_step_tokens, model.cfg.max_position_embeddings)
-    probe = ModelRunner(model, -(-tokens // cfg.page_size), cfg.page_size)
+    """Runs one step of `--max-step-tokens` prompt tokens spread over up to PROFILE_SEQS sequences
+    (the largest step the worker expects, with that many rows of logits), over a KV pool just large
+    enough; measures the activations' peak above the weights, frees it all, and sizes the KV
+    cache from what the budget leaves (`device.kv_cache_bytes`)."""
+    tokens = min(cfg.max_step_tokens, model.cfg.max_position_embeddings * PROFILE_SEQS)
+    seqs = max(1, min(PROFILE_SEQS, tokens // 32))
+    per_seq = min(tokens // seqs, model.cfg.max_position_embeddings)
+    pages_per_seq = -(-per_seq // cfg.page_size)
+    probe = ModelRunner(model, seqs * pages_per_seq, cfg.page_size)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    ids = [(7 * i + 3) % model.cfg.vocab_size for i in range(tokens)]
-    probe.step(StepPlan(new=[NewSequence("memory-profile", ids, tokens, SamplingParams(temperature=0.0),
-                                         list(range(probe.pool.num_pages)))],
-                        scheduled=[ScheduledChunk("memory-profile", tokens)]))
+    greedy = SamplingParams(temperature=0.0)
+    new = [NewSequence(f"memory-profile-{i}", [(7 * (i + j) + 3) % model.cfg.vocab_size for j in range(per_seq)],
+                       per_seq, greedy, list(range(i * pages_per_seq, (i + 1) * pages_per_seq))) for i in range(seqs)]
+    probe.step(StepPlan(new=new, scheduled=[ScheduledChunk(n.seq_id, per_seq) for n in new]))
     torch.cuda.synchronize()
     activations = torch.cuda.max_memory_allocated() - before
     del probe
