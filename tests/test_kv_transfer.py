@@ -20,7 +20,7 @@ from kvmesh.services.worker.runner import ModelRunner
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect, lookup
+from local_mesh import Mesh, collect, lookup, wait_idle
 from reference import assert_matches_reference, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -191,8 +191,11 @@ def test_a_prefix_computed_on_one_worker_is_served_on_another_by_transfer(pair, 
     assert finish.cached_prompt_tokens == finish.transferred_prompt_tokens == 960, finish
     assert finish.transfer_source == "peer"
     assert assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, prompt, 8)) >= 8
-    # Both workers now hold the prefix, as kvcache's index shows.
+    # Both workers now hold the prefix, as kvcache's index shows, and every page came back (the
+    # pages reserved for the fetch are cached now, none held by a finished request).
     held = asyncio.run(lookup(pair.kvcache_addr, prefix_hashes(first, 16)))
+    pages = asyncio.run(wait_idle(pair.kvcache_addr, workers=2))
+    assert len(pages) == 2 and all(w.used_pages == 0 for w in pages), pages
     assert {w.worker_id for w in held if w.pages == 60} == set(pair.owner)
     sched = next(c for c in pair.children if c.name.startswith("scheduler") and pair.owner[finish.worker_id] == c.address)
     labels = dict(model_name="default", worker=finish.worker_id, source="peer")
@@ -268,6 +271,10 @@ def test_a_transfer_whose_source_dies_mid_way_falls_back_to_recompute_exactly(mo
         assert assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, prompt, 8)) >= 8
         source = next(c for c in mesh.children if c.name.startswith("worker") and c.process.poll() is not None)
         assert source.process.returncode == -9  # it did die (SIGKILL), mid-transfer
+        # The fetching worker got every page back: those reserved for pages that never came too.
+        pages = asyncio.run(wait_idle(mesh.kvcache_addr))
+        survivor = [w for w in pages if w.worker_id == finish.worker_id]
+        assert survivor and survivor[0].used_pages == 0, pages
     finally:
         mesh.close()
 

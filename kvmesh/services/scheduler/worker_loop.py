@@ -51,6 +51,16 @@ DEFAULT_TRANSFER_BYTES_PER_S = 200e6
 DEFAULT_PREFILL_TOKENS_PER_S = 500.0
 
 
+def leading_run(hashes: list[bytes], start: int, held) -> int:
+    """How many of `hashes[start:]`, from the first on, satisfy `held`."""
+    n = 0
+    for h in hashes[start:]:
+        if not held(h):
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class Fetch:
     """Pages of a request's prompt to read before it is queued: `hashes` are its pages
@@ -144,21 +154,11 @@ class WorkerLoop:
 
     def local_prefix_pages(self, hashes: list[bytes]) -> int:
         """Leading pages of a prompt this worker's pool holds or will hold (a queued prompt's)."""
-        held = 0
-        for h in hashes:
-            if h not in self.pool.index and h not in self.queued_hashes:
-                break
-            held += 1
-        return held
+        return leading_run(hashes, 0, lambda h: h in self.pool.index or h in self.queued_hashes)
 
     def tier_run(self, hashes: list[bytes], start: int) -> int:
         """How many of `hashes[start:]`, leading, the worker's tier holds."""
-        n = 0
-        for h in hashes[start:]:
-            if h not in self.tier:
-                break
-            n += 1
-        return n
+        return leading_run(hashes, start, self.tier.__contains__)
 
     def fetch_pays(self, pages: int) -> bool:
         """Whether reading `pages` pages beats computing their tokens, by this worker's measured
