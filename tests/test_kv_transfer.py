@@ -279,6 +279,36 @@ def test_a_transfer_whose_source_dies_mid_way_falls_back_to_recompute_exactly(mo
         mesh.close()
 
 
+def test_a_worker_that_dies_while_it_fetches_a_prefix_hands_the_request_on_exactly(model_dir):
+    """One scheduler over two workers (round-robin): the second request of a prefix lands on the
+    worker that does not hold it, which fetches the pages from the first and SIGKILLs itself after
+    writing 5 of them (TESTING ONLY flag). The request moves to the surviving worker, which holds
+    the prefix: the stream is transformers' tokens, and that worker gets every page back."""
+    mesh = Mesh(model_dir, workers=2, extra_scheduler=["--kv-fetch", "always", "--worker-choice", "round-robin"],
+                extra_worker=["--fault-kill-after-fetched-pages", "5"])
+    workers = [c for c in mesh.children if c.name.startswith("worker")]
+    try:
+        prefix = random_ids(640, seed=50)  # 40 pages
+        *_, seeded = generate(mesh.addr, ids_request(prefix + [4, 5], 2))
+        for attempt in range(4):  # round-robin: the next request goes to the other worker
+            prompt = prefix + random_ids(9, seed=500 + attempt)
+            tokens, logprobs, _, finish = generate(mesh.addr, ids_request(prompt, 8))
+            if any(w.process.poll() is not None for w in workers):
+                break
+        else:
+            raise AssertionError("no request was placed on the worker without the prefix")
+        dead, = [w for w in workers if w.process.poll() is not None]
+        assert dead.process.returncode == -9  # SIGKILL, mid-fetch
+        assert finish.reason == gen.LENGTH and finish.worker_id == seeded.worker_id, finish
+        assert finish.cached_prompt_tokens == 640 and finish.transferred_prompt_tokens == 0, finish
+        assert assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, prompt, 8)) >= 8
+        pages = asyncio.run(wait_idle(mesh.kvcache_addr))
+        survivor = [w for w in pages if w.worker_id == seeded.worker_id]
+        assert survivor and survivor[0].used_pages == 0, pages
+    finally:
+        mesh.close()
+
+
 def test_pages_evicted_to_the_tier_are_read_back_instead_of_recomputed(model_dir):
     """One worker with a 1 MiB pool (4,096 tokens of the tiny model) and a 4 MiB tier: a prefix
     pushed out of the pool by other prompts is read back from the tier, exactly."""

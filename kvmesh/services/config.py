@@ -153,6 +153,7 @@ class WorkerConfig:
     version: str = dataclasses.field(default="v1", metadata=_help("model version within the pool (canary rollouts split traffic by version)"))
     fault_rate: float = dataclasses.field(default=0.0, metadata=_help("TESTING ONLY: fail this fraction of requests (chosen by a hash of the request id) at their first token"))
     fault_kill_after_pages: int = dataclasses.field(default=0, metadata=_help("TESTING ONLY: SIGKILL this worker after it has sent this many KV pages to peers (0: never)"))
+    fault_kill_after_fetched_pages: int = dataclasses.field(default=0, metadata=_help("TESTING ONLY: SIGKILL this worker after it has written this many KV pages fetched from a peer or its tier (0: never)"))
 
     def __post_init__(self):
         if self.model:

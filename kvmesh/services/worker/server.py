@@ -92,11 +92,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     still raises answers with `error` set and the stream stays open. Info: what the scheduler
     needs to plan pages and validate requests (vocab_size, max_context)."""
 
-    def __init__(self, fault_rate: float = 0.0, fault_kill_after_pages: int = 0, identity=None):
+    def __init__(self, fault_rate: float = 0.0, fault_kill_after_pages: int = 0, identity=None,
+                 fault_kill_after_fetched_pages: int = 0):
         self.runner: ModelRunner | None = None
         self.identity = identity  # mTLS to peer workers (FetchPages) when set
         self.fault_kill_after_pages = fault_kill_after_pages
-        self.pages_sent = 0
+        self.fault_kill_after_fetched_pages = fault_kill_after_fetched_pages
+        self.pages_sent = self.pages_fetched = 0
         # Page copies for peers and fetches: off the compute thread (steps go on meanwhile) and off
         # the event loop (a page is up to megabytes).
         self._copies = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
@@ -182,8 +184,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.pages_sent += 1
             self.metrics.pages_sent.labels(self.metrics.worker, "tier" if from_tier else "pool").inc()
             if self.fault_kill_after_pages and self.pages_sent >= self.fault_kill_after_pages:
-                log.error("killing this worker after %d pages sent (--fault-kill-after-pages)", self.pages_sent)
-                os.kill(os.getpid(), signal.SIGKILL)
+                fault_kill(f"{self.pages_sent} pages sent (--fault-kill-after-pages)")
 
     async def FetchPages(self, request, context):
         """Reads pages from a peer (or this worker's tier) into the pages its scheduler reserved."""
@@ -225,6 +226,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     break
                 await loop.run_in_executor(self._copies, store.write, pages[done], h, k, v)
                 done += 1
+                self.pages_fetched += 1
+                if self.fault_kill_after_fetched_pages and self.pages_fetched >= self.fault_kill_after_fetched_pages:
+                    fault_kill(f"{self.pages_fetched} fetched pages written (--fault-kill-after-fetched-pages)")
                 nbytes += store.page_bytes
                 from_tier += tiered
         except grpc.aio.AioRpcError as e:
@@ -276,6 +280,12 @@ def page_from_bytes(data: bytes, store) -> torch.Tensor:
         raise ValueError(f"a page of {len(data)} bytes, this pool's K or V page is {store.page_bytes // 2}")
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(store.k.dtype)
     return flat.view(store.page_shape())
+
+
+def fault_kill(why: str) -> None:
+    """TESTING ONLY flags: this worker dies at once, as a crash would take it."""
+    log.error("killing this worker after %s", why)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def is_faulty(seq_id: str, rate: float) -> bool:
@@ -423,7 +433,8 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     dev = device.resolve_device(cfg.device)  # before anything starts: a device it lacks is a setting error
     telemetry.setup_tracing("worker")
     metrics_port = serve_metrics(common.host, cfg.metrics_port)
-    service = WorkerService(cfg.fault_rate, cfg.fault_kill_after_pages, mesh_identity(common))
+    service = WorkerService(cfg.fault_rate, cfg.fault_kill_after_pages, mesh_identity(common),
+                            cfg.fault_kill_after_fetched_pages)
     server = ServiceServer(["kvmesh.v1.Worker"], lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(service, s),
                            common.host, cfg.port, mesh_server_credentials(common))
     await server.start()
