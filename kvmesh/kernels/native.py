@@ -32,7 +32,7 @@ log = logging.getLogger("kvmesh.kernels")
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _ISA_FLAGS = {
     "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"],
-    "avx2": ["-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "base": [],
 }
 
