@@ -331,20 +331,9 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
     sums[h] = 0.f;
     for (int64_t d = 0; d < D; ++d) acc[h * D + d] = 0.f;
   }
-  // The bytes of a slot's row this call reads (its KV heads), for prefetching the next block.
-  const int64_t k_row_bytes = ((heads - 1) * k_s1 + D) * sizeof(scalar_t);
-  const int64_t v_row_bytes = ((heads - 1) * v_s1 + D) * sizeof(scalar_t);
   for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
     const int64_t b = std::min(kBlock, n - t0);
     const int64_t* block = slots + t0;
-    // Pages are scattered over the pool, and a hardware prefetcher stops at each 4 KiB boundary:
-    // ask for the next block's rows now, so they arrive while this block is computed.
-    for (int64_t t = t0 + kBlock; t < std::min(n, t0 + 2 * kBlock); ++t) {
-      const char* key = reinterpret_cast<const char*>(k + slots[t] * k_s0);
-      const char* value = reinterpret_cast<const char*>(v + slots[t] * v_s0);
-      for (int64_t off = 0; off < k_row_bytes; off += 64) _mm_prefetch(key + off, _MM_HINT_T0);
-      for (int64_t off = 0; off < v_row_bytes; off += 64) _mm_prefetch(value + off, _MM_HINT_T0);
-    }
     for (int64_t kvh = 0; kvh < heads; ++kvh) {
       const scalar_t* kh = k + kvh * k_s1;
       const scalar_t* vh = v + kvh * v_s1;
