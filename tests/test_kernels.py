@@ -107,8 +107,9 @@ def test_the_decode_kernel_builds_on_this_machine():
 DECODES = [(1, 1), (16, 1), (17, 1), (300, 1), (70, 22), (5, 1)]  # with a prefill chunk among them
 
 
-# Multiples of 16 take the AVX-512 path where the CPU has one, multiples of 8 the AVX2 path where
-# it has that instead; 20 takes the portable path everywhere.
+# Of the head sizes the kernel is compiled for (16, 24, 32, 64, 80, 96, 128, 256), multiples of 16
+# take the AVX-512 path where the CPU has one, all of them the AVX2 path where it has that instead;
+# 20 takes the portable path everywhere.
 @pytest.mark.parametrize("dim", [16, 20, 24, 32, 64, 80, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (12, 4), (4, 4)])
 def test_decode_kernel_equals_reference(dim, heads, kv_heads):
