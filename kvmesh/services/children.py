@@ -9,6 +9,7 @@ module; it imports neither.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -22,10 +23,39 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 LAST_LINES = 6  # of a failed child's log, in the message that names it
 
 
+_handed_out: set[int] = set()  # ports free_port gave this process: never given twice
+_draw = random.SystemRandom()  # not the random module's state, which tests seed
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections' local ports."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that is free now, for a child to bind a moment later. It is drawn below
+    the kernel's range for outgoing connections where there is room: a connection any process
+    opens in between takes its local port from that range, so a port from it could be gone by the
+    time the child binds ("address already in use" at start, seen in the suite)."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = _draw.randrange(max(1024, low - 20000), low) if low > 2048 else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # something listens there
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free port on 127.0.0.1")
 
 
 @dataclass
