@@ -204,7 +204,8 @@ def test_a_prefix_computed_on_one_worker_is_served_on_another_by_transfer(pair, 
     assert scrape(sched.http, "kvmesh_kv_transfers_total", **labels, outcome="ok") >= 1
     # The trace shows the fetch under the scheduler's span, before the request was queued.
     spans = receiver.wait_for(bytes.fromhex(finish.trace_id), lambda s: any(x.name == "kvmesh.kv.fetch" for _, x in s)
-                              and any(x.name == "kvmesh.queue" for _, x in s))
+                              and any(x.name == "kvmesh.queue" for _, x in s)
+                              and any(x.name == "kvmesh.schedule" for _, x in s))
     fetch, = [x for _, x in spans if x.name == "kvmesh.kv.fetch"]
     schedule, = [x for _, x in spans if x.name == "kvmesh.schedule"]
     queue, = [x for _, x in spans if x.name == "kvmesh.queue"]
