@@ -200,11 +200,12 @@ def paged_attention_reference(
     """The portable definition: explicit causal (and sliding-window) mask, float32 softmax."""
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     out = torch.empty_like(q)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for a float64 reference
     for s in seqs:
         k = k_cache[s.slots].repeat_interleave(heads // kv_heads, dim=1)  # [ctx, heads, d]
         v = v_cache[s.slots].repeat_interleave(heads // kv_heads, dim=1)
         qs = q[s.query_start : s.query_end]
-        scores = torch.einsum("qhd,khd->hqk", qs.float(), k.float()) * scale
+        scores = torch.einsum("qhd,khd->hqk", qs.to(acc), k.to(acc)) * scale
         q_pos = torch.arange(s.context_len - s.num_queries, s.context_len).unsqueeze(1)
         k_pos = torch.arange(s.context_len).unsqueeze(0)
         allowed = k_pos <= q_pos
@@ -212,5 +213,5 @@ def paged_attention_reference(
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = scores.softmax(dim=-1)
-        out[s.query_start : s.query_end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+        out[s.query_start : s.query_end] = torch.einsum("hqk,khd->qhd", probs, v.to(acc)).to(q.dtype)
     return out
