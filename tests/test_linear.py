@@ -75,3 +75,21 @@ def test_leading_dimensions_and_strided_inputs_give_the_same_result(pack):
     torch.testing.assert_close(layer(x3d).double(), float64_linear(x3d, weight, bias), atol=1e-5, rtol=1e-5)
     strided = torch.randn(9, 128)[:, ::2]  # every other column: not contiguous
     torch.testing.assert_close(layer(strided).double(), float64_linear(strided, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "fallback"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_a_residual_is_added_to_the_product(dtype, pack, with_bias):
+    """The model adds the residual stream inside the output projections' call (oneDNN's add post-op)."""
+    weight, bias, x = make_case(48, 33, 7, dtype, with_bias)
+    residual = torch.randn(7, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
+    kept = residual.clone()
+    y = PackedLinear(weight, bias, pack=pack)(x, residual=residual)
+    assert y.dtype == dtype and y.shape == (7, 48)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.double(), float64_linear(x, weight, bias) + residual.double(), atol=tolerance,
+                               rtol=tolerance)
+    assert torch.equal(residual, kept)  # the residual itself is not written
+    if dtype == torch.float32:  # float32: the same bits as adding after the product, as transformers does
+        assert torch.equal(y, PackedLinear(weight, bias, pack=pack)(x) + residual)

@@ -25,7 +25,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class PackedLinear:
-    """y = x @ weight.T + bias, with the weight prepacked for oneDNN when that is possible."""
+    """y = x @ weight.T + bias (+ residual), with the weight prepacked for oneDNN when that is possible."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.out_features, self.in_features = weight.shape
@@ -34,7 +34,11 @@ class PackedLinear:
         # The plain weight is only needed by the fallback path.
         self.weight = weight if self.packed is None else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`residual`, when given, is added to the product (in the same oneDNN call where packed)."""
         if self.packed is not None:
+            if residual is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y if residual is None else y.add_(residual)

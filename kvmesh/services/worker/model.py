@@ -98,7 +98,10 @@ class CausalLM:
         freqs = positions[:, None] * rope_inv_freq(cfg)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(dtype).to(self.device)
-        self.sin = emb.sin().to(dtype).to(self.device)
+        # sin with the first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin, bit for bit
+        # (a sign flip is exact), in one roll where rotate_half takes two slices, a negation and a cat.
+        half = cfg.head_dim // 2
+        self.signed_sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1).to(dtype).to(self.device)
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str | None = None, device: torch.device | str = "cpu") -> "CausalLM":
@@ -137,15 +140,18 @@ class CausalLM:
         )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        if x.dtype == torch.float32:  # one fused op where transformers' float32 math is six
+            return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
+        h = x.float()  # half precision: normalized in float32, rounded, then scaled, as transformers does
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return weight * h.to(x.dtype)
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding, transformers' `x * cos + rotate_half(x) * sin`."""
+        out = x * cos
+        out += x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+        return out
 
     @torch.inference_mode()
     def forward(self, batch: BatchInput, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -154,7 +160,8 @@ class CausalLM:
         t = batch.token_ids.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
+        sin = self.signed_sin[batch.positions].unsqueeze(1)
+        heads = cfg.num_heads
         x = self.embed[batch.token_ids]
         attention = plan_attention(batch.seqs, self.device, self.attention_backend, batch.page_size,
                                    cfg.sliding_window)
@@ -163,19 +170,18 @@ class CausalLM:
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h)
-            q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+            # q and k rotated together: they are adjacent in the fused projection
+            qk = self._rotate(qkv[:, : q_size + kv_size].view(t, heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
             if kv_rows is None:
                 write_kv(k_cache[i], v_cache[i], kv_slots, k, v)
             else:
                 write_kv(k_cache[i], v_cache[i], kv_slots, k[kv_rows], v[kv_rows])
             attn = attention(q, k_cache[i], v_cache[i], self.scale)
-            x = x + layer.o(attn.reshape(t, q_size))
+            x = layer.o(attn.reshape(t, q_size), residual=x)
             h = self._rms_norm(x, layer.post_attention_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = layer.down(F.silu(gate).mul_(up), residual=x)
         x = self._rms_norm(x[batch.logit_rows], self.norm)
         return self.lm_head(x).float()
