@@ -185,3 +185,40 @@ def test_the_decode_kernel_refuses_slots_outside_the_cache_instead_of_reading_th
     with pytest.raises(RuntimeError, match="indptr must span"):
         op(q, kc, vc, rows, indptr, torch.tensor([3]), 0.25, out)
     op(q, kc, vc, rows, indptr, torch.tensor([3, 7]), 0.25, out)  # in range: fine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_write_puts_each_row_at_its_slot_from_a_fused_projection(dtype):
+    """K and V come out of the fused q|k|v projection as strided views; the row copy stores them
+    where index_copy_ would, and touches no other slot."""
+    if native.write_kv() is None:
+        pytest.skip("kvmesh's C++ kernels are not built here")
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, dim = 37, 6, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    slots = torch.randperm(256, generator=g)[:tokens]
+    kc, vc = torch.randn(256, kv_heads, dim, generator=g).to(dtype), torch.randn(256, kv_heads, dim, generator=g).to(dtype)
+    want_k, want_v = kc.clone().index_copy_(0, slots, k), vc.clone().index_copy_(0, slots, v)
+    native.write_kv()(kc, vc, slots, k, v)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_the_kv_write_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    op = native.write_kv()
+    if op is None:
+        pytest.skip("kvmesh's C++ kernels are not built here")
+    kc, vc = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
+    rows = torch.ones(2, 2, 16)
+    with pytest.raises(RuntimeError, match="slot 8 is outside the cache of 8"):
+        op(kc, vc, torch.tensor([3, 8]), rows, rows)
+    with pytest.raises(RuntimeError, match="slot -1 is outside"):
+        op(kc, vc, torch.tensor([-1, 0]), rows, rows)
+    with pytest.raises(RuntimeError, match="one slot per token"):
+        op(kc, vc, torch.tensor([3]), rows, rows)
+    assert kc.abs().sum() == 0 and vc.abs().sum() == 0
+    # rows whose heads are not contiguous go through index_copy_ instead
+    rows_t = torch.ones(2, 16, 2).transpose(1, 2)
+    write_kv(kc, vc, torch.tensor([1, 2]), rows_t, rows_t)
+    assert kc[1:3].eq(1).all() and kc[0].eq(0).all() and kc[3:].eq(0).all()

@@ -85,9 +85,19 @@ def causal_mask(num_queries: int, context_len: int, sliding_window: int | None =
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Stores new tokens' K and V (`[tokens, kv_heads, head_dim]`) at their cache slots."""
+    """Stores new tokens' K and V (`[tokens, kv_heads, head_dim]`) at their cache slots: on the
+    CPU by kvmesh's row copy (kernels/csrc/kv_write.cpp) where each token's row is contiguous,
+    else by `index_copy_`."""
+    if (k_cache.device.type == "cpu" and slots.dtype == torch.long and _rows_contiguous(k) and _rows_contiguous(v)
+            and (op := native.write_kv())):
+        op(k_cache, v_cache, slots.contiguous(), k, v)
+        return
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 class AttentionPlan:

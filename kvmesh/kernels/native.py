@@ -1,8 +1,8 @@
 """kvmesh's own C++ kernels, compiled on first use with torch's extension builder.
 
-`decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator, or None when
-it cannot be used here (no C++ compiler, `KVMESH_NATIVE_KERNELS=0`); callers then take the
-portable path. The build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default
+`decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator and `write_kv()`
+`torch.ops.kvmesh.write_kv_`, or None when they cannot be used here (no C++ compiler,
+`KVMESH_NATIVE_KERNELS=0`); callers then take the portable path. Both are in one library. The build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default
 `~/.cache/torch_extensions`), so it costs about ten seconds once per machine and source version;
 `make install` runs it (`python -m kvmesh.kernels.native`). The build folder is named by a hash
 of the source and flags, and a process that finds the library already built loads it directly:
@@ -29,7 +29,7 @@ import torch
 
 log = logging.getLogger("kvmesh.kernels")
 
-_SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "kv_write.cpp")]
 _ISA_FLAGS = {
     "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -66,16 +66,16 @@ def library_path() -> Path:
 
     isa = _isa()
     cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[isa]]
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + " ".join(cflags).encode()).hexdigest()[:12]
     name = f"kvmesh_attention_{isa}_{digest}"
     return Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
 
 
 @cache
-def decode_attention():
-    """The decode attention operator, built on first call; None where it cannot be built."""
+def _library() -> bool:
+    """Loads (building on first use) the library of kvmesh's operators; False where it cannot be built."""
     if os.environ.get("KVMESH_NATIVE_KERNELS", "1") == "0":
-        return None
+        return False
     cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[_isa()]]
     try:
         from torch.utils import cpp_extension
@@ -86,12 +86,23 @@ def decode_attention():
             torch.ops.load_library(str(built))
         else:
             _clear_stale_lock(build_dir)
-            cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                               is_python_module=False, verbose=False)
+            cpp_extension.load(name=name, sources=[str(src) for src in _SOURCES], extra_cflags=cflags,
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the portable path still works
-        log.warning("kvmesh's C++ decode attention is unavailable (%s); using torch's attention per sequence", exc)
-        return None
-    return torch.ops.kvmesh.decode_attention_
+        log.warning("kvmesh's C++ kernels are unavailable (%s); using torch's attention per sequence", exc)
+        return False
+    return True
+
+
+@cache
+def decode_attention():
+    """The decode attention operator, built on first call; None where it cannot be built."""
+    return torch.ops.kvmesh.decode_attention_ if _library() else None
+
+
+def write_kv():
+    """The KV cache write operator (a row copy per token); None where the library cannot be built."""
+    return torch.ops.kvmesh.write_kv_ if _library() else None
 
 
 if __name__ == "__main__":
