@@ -121,14 +121,15 @@ def test_decode_kernel_equals_reference(dim, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 8, 2), (128, 12, 4), (40, 4, 4), (16, 4, 2), (20, 4, 2)])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(32, 4, 2), (64, 8, 2), (128, 12, 4), (40, 4, 4), (16, 4, 2), (20, 4, 2)])
 def test_decode_kernel_in_half_precision_equals_the_reference_on_the_same_inputs(dtype, dim, heads, kv_heads):
     q, kc, vc, seqs, _ = build_case(DECODES, heads=heads, kv_heads=kv_heads, dim=dim, seed=7)
     q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
     ref = paged_attention_reference(q.float(), kc.float(), vc.float(), seqs, scale=dim**-0.5)
     out = AttentionPlan(seqs)(q, kc, vc, dim**-0.5)
     assert out.dtype == dtype
-    # The kernel computes in float32 from the half-precision values; only the output's rounding differs.
+    # The kernel computes in float32 from the half-precision values (with AVX512-BF16, P.V rounds the
+    # weights to bfloat16 first, as transformers does): only roundings of that size differ.
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
     assert (out.float() - ref.to(dtype).float()).abs().max() <= (ref.abs().max() * 2 ** -7).item()
 

@@ -12,7 +12,9 @@
 // the weighted sum of V runs four accumulator sets, so neither waits on one instruction's latency;
 // bfloat16 keys go straight into AVX512-BF16 dot products where the CPU has them (2026-12-01, 32
 // sequences of 620 tokens, 12 heads over 4, head_dim 64, two threads: bfloat16 0.96 -> 0.63 ms
-// per call, float32 1.63 -> 1.24 ms). With AVX2 and FMA but no AVX-512 (AMD Zen 1-3, older Intel),
+// per call, float32 1.63 -> 1.24 ms), and so do bfloat16 V rows, two tokens at a time against
+// their weights rounded to bfloat16 (pv_bf16; AMD EPYC Zen 4, one thread, 32 sequences of about
+// 600 tokens: 2.95-4.19 -> 2.33-3.44 ms per call over five alternated runs). With AVX2 and FMA but no AVX-512 (AMD Zen 1-3, older Intel),
 // the same one-pass algorithm in 8-lane vectors takes every head size `run` is compiled for (AMD
 // EPYC, one thread, 32 sequences of 600 tokens, 12 heads over 4 of 64: float32 11.5 -> 7.1 ms
 // per call, bfloat16 10.7 -> 4.6 ms; the cheap model's 16-wide heads, 128 sequences, two threads:
@@ -30,6 +32,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -124,6 +128,69 @@ bool cpu_has_bf16_dot() {
   return has;
 }
 
+// One pair of tokens (t, t + 1; t + 1 == b: its partner weighs nothing) into `sum` (pv_bf16).
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void pv_pair(const at::BFloat16* vh,
+                                                                          const int64_t* block, int64_t t, int64_t b,
+                                                                          int64_t v_s0, const uint16_t* pb,
+                                                                          int64_t vecs32, __m512* sum) {
+  const uint16_t* r0 = reinterpret_cast<const uint16_t*>(vh + block[t] * v_s0);
+  const uint16_t* r1 = t + 1 < b ? reinterpret_cast<const uint16_t*>(vh + block[t + 1] * v_s0) : r0;
+  uint32_t weights;
+  std::memcpy(&weights, pb + t, sizeof weights);  // low half: token t's weight, high half: token t + 1's
+  const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights));
+  for (int64_t j = 0; j < vecs32; ++j) {
+    const __m512i x0 = _mm512_loadu_si512(r0 + 32 * j), x1 = _mm512_loadu_si512(r1 + 32 * j);
+    sum[2 * j] = _mm512_dpbf16_ps(sum[2 * j], w, (__m512bh)_mm512_unpacklo_epi16(x0, x1));
+    sum[2 * j + 1] = _mm512_dpbf16_ps(sum[2 * j + 1], w, (__m512bh)_mm512_unpackhi_epi16(x0, x1));
+  }
+}
+
+// The weighted sum of a block's bfloat16 V rows for one query head with AVX512-BF16: tokens go in
+// pairs, the two rows interleaved (unpacklo/hi_epi16) against the pair's weights rounded to
+// bfloat16 (as transformers' bfloat16 attention rounds its probabilities), summed into float32
+// lanes by `vdpbf16ps`, so V is read as stored. The head's accumulator `acc` (D floats) is kept in
+// pair order: for V vector j (values 32j..32j+31), `acc[32j + 4L + i]` holds value 32j + 8L + i and
+// `acc[32j + 16 + 4L + i]` value 32j + 8L + 4 + i (L = 128-bit lane, i < 4); `natural_order` puts
+// it back. It is scaled by `alpha` first (the online softmax's rescale, lane by lane).
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void pv_bf16(const at::BFloat16* vh, const int64_t* block,
+                                                                   int64_t b, int64_t v_s0, const float* p,
+                                                                   float alpha, int64_t vecs32, float* acc) {
+  __m512 av[16], bv[16];  // two sets, for alternate pairs: one set would wait on each dot's latency
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int64_t j = 0; j < 2 * vecs32; ++j) {
+    av[j] = _mm512_mul_ps(a, _mm512_loadu_ps(acc + 16 * j));
+    bv[j] = _mm512_setzero_ps();
+  }
+  alignas(64) uint16_t pb[kBlock + 2];
+  for (int64_t t = 0; t < b; t += 16) {
+    const __mmask16 lanes = b - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b - t)) - 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, p + t)));
+  }
+  pb[b] = pb[b + 1] = 0;
+  int64_t t = 0;
+  for (; t + 4 <= b; t += 4) {
+    pv_pair(vh, block, t, b, v_s0, pb, vecs32, av);
+    pv_pair(vh, block, t + 2, b, v_s0, pb, vecs32, bv);
+  }
+  for (; t < b; t += 2) pv_pair(vh, block, t, b, v_s0, pb, vecs32, av);
+  for (int64_t j = 0; j < 2 * vecs32; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_add_ps(av[j], bv[j]));
+}
+
+// pv_bf16's pair order back to value order, for one head of D = 32 * vecs32 values.
+void natural_order(float* acc, int64_t vecs32) {
+  float tmp[32];
+  for (int64_t j = 0; j < vecs32; ++j) {
+    float* x = acc + 32 * j;
+    for (int64_t L = 0; L < 4; ++L)
+      for (int64_t i = 0; i < 4; ++i) {
+        tmp[8 * L + i] = x[4 * L + i];
+        tmp[8 * L + 4 + i] = x[16 + 4 * L + i];
+      }
+    std::memcpy(x, tmp, sizeof tmp);
+  }
+}
+
 // One sequence, KV heads [0, heads) of the pointers given: every query head of each KV head's GQA
 // group, block by block over the context, with an online softmax in float32. Within a block the
 // KV heads go one after another over the same rows, so a block's rows (all heads of a slot are
@@ -153,11 +220,11 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
       const scalar_t* kh = k + kvh * k_s1;
       const scalar_t* vh = v + kvh * v_s1;
       if constexpr (!kWide) {  // half precision: widen the block's rows once, not once per query head
-        for (int64_t t = 0; t < b; ++t) {
+        for (int64_t t = 0; t < b && !bf16_dot; ++t) {  // (with the bf16 dot, K and V are read as stored)
           const scalar_t* key = kh + block[t] * k_s0;
           const scalar_t* value = vh + block[t] * v_s0;
           for (int64_t j = 0; j < kVec; ++j) {
-            if (!bf16_dot) _mm512_storeu_ps(kbuf + t * D + 16 * j, load16(key + 16 * j));
+            _mm512_storeu_ps(kbuf + t * D + 16 * j, load16(key + 16 * j));
             _mm512_storeu_ps(vbuf + t * D + 16 * j, load16(value + 16 * j));
           }
         }
@@ -207,6 +274,12 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
         }
         sums[h] = sums[h] * alpha + _mm512_reduce_add_ps(sumv);
         m[h] = m_new;
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if (bf16_dot) {
+            pv_bf16(vh, block, b, v_s0, sg, alpha, kVec / 2, acc + h * D);
+            continue;
+          }
+        }
         // Four accumulator sets, one per token of four in turn: one set would wait on each FMA's
         // latency at every token.
         const __m512 a = _mm512_set1_ps(alpha);
@@ -237,6 +310,8 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
       }
     }
   }
+  if (bf16_dot)
+    for (int64_t h = 0; h < heads * group; ++h) natural_order(acc + h * D, kVec / 2);
 }
 #elif defined(__AVX2__)
 // The same algorithm as heads_avx512 in 8-lane vectors, for CPUs with AVX2 and FMA but no
