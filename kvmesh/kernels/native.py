@@ -2,13 +2,14 @@
 
 `decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator and `write_kv()`
 `torch.ops.kvmesh.write_kv_`, or None when they cannot be used here (no C++ compiler,
-`KVMESH_NATIVE_KERNELS=0`); callers then take the portable path. Both are in one library. The build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default
-`~/.cache/torch_extensions`), so it costs about ten seconds once per machine and source version;
-`make install` runs it (`python -m kvmesh.kernels.native`). The build folder is named by a hash
-of the source and flags, and a process that finds the library already built loads it directly:
-torch's builder would otherwise take its file lock and run ninja at every process start, and
-rebuild whenever two checkouts (different source paths) alternate, so a restarted worker waited
-on someone else's build.
+`KVMESH_NATIVE_KERNELS=0`); callers then take the portable path. Both are in one library. The
+build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), so it
+costs about ten seconds once per machine and source version; `make install` runs it
+(`python -m kvmesh.kernels.native`). The build folder is named by a hash of the sources and
+flags, and a process that finds the library already built loads it directly: torch's builder
+would otherwise take its file lock and run ninja at every process start, and rebuild whenever two
+checkouts (different source paths) alternate, so a restarted worker waited on someone else's
+build.
 
 The instruction set is chosen from what torch itself detected on this CPU (AVX-512, AVX2 or
 neither) and named in the extension, so a cache shared between machines never hands a CPU code

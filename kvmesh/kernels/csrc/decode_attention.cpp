@@ -14,11 +14,11 @@
 // sequences of 620 tokens, 12 heads over 4, head_dim 64, two threads: bfloat16 0.96 -> 0.63 ms
 // per call, float32 1.63 -> 1.24 ms), and so do bfloat16 V rows, two tokens at a time against
 // their weights rounded to bfloat16 (pv_bf16; AMD EPYC Zen 4, one thread, 32 sequences of about
-// 600 tokens: 2.95-4.19 -> 2.33-3.44 ms per call over five alternated runs). With AVX2 and FMA but no AVX-512 (AMD Zen 1-3, older Intel),
-// the same one-pass algorithm in 8-lane vectors takes every head size `run` is compiled for (AMD
-// EPYC, one thread, 32 sequences of 600 tokens, 12 heads over 4 of 64: float32 11.5 -> 7.1 ms
-// per call, bfloat16 10.7 -> 4.6 ms; the cheap model's 16-wide heads, 128 sequences, two threads:
-// 3.1 -> 2.1 ms).
+// 600 tokens: 2.95-4.19 -> 2.33-3.44 ms per call over five alternated runs). With AVX2 and FMA
+// but no AVX-512 (AMD Zen 1-3, older Intel), the same one-pass algorithm in 8-lane vectors takes
+// every head size `run` is compiled for (AMD EPYC, one thread, 32 sequences of 600 tokens, 12
+// heads over 4 of 64: float32 11.5 -> 7.1 ms per call, bfloat16 10.7 -> 4.6 ms; the cheap model's
+// 16-wide heads, 128 sequences, two threads: 3.1 -> 2.1 ms).
 //
 // Registered as torch.ops.kvmesh.decode_attention_ (writes into `out`).
 
