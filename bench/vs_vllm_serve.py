@@ -92,7 +92,12 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def bench_pass(vllm_python: str, model: str, http_port: int, rate: str, num_prompts: int, seed: int) -> dict:
-    out = Path(tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory() as out:
+        return _bench_pass(vllm_python, model, http_port, rate, num_prompts, seed, Path(out))
+
+
+def _bench_pass(vllm_python: str, model: str, http_port: int, rate: str, num_prompts: int, seed: int,
+                out: Path) -> dict:
     command = [vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
                "--base-url", f"http://127.0.0.1:{http_port}", "--model", "bench", "--tokenizer", model,
                "--dataset-name", "random", "--random-input-len", "264", "--random-output-len", "136",

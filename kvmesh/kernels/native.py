@@ -101,6 +101,7 @@ def decode_attention():
     return torch.ops.kvmesh.decode_attention_ if _library() else None
 
 
+@cache
 def write_kv():
     """The KV cache write operator (a row copy per token); None where the library cannot be built."""
     return torch.ops.kvmesh.write_kv_ if _library() else None

@@ -3,8 +3,8 @@
 // A token's row (all its KV heads) is contiguous in the cache `[slots, kv_heads, head_dim]` and in
 // the projection it comes from, so a write is one memcpy per token and tensor. torch's
 // `index_copy_` moves it element by element: about 95 us for 1,024 tokens of 4 heads of 64
-// (5 GB/s), which was 5% of an offline bfloat16 run of the benchmark model, most of it in prefill
-// steps.
+// (5 GB/s) into written memory, where this copy takes about 19. (Into a fresh pool both pay the
+// OS's first write of each page, far more: docs/benchmarks.md.)
 //
 // Registered as torch.ops.kvmesh.write_kv_ (writes into the caches).
 
