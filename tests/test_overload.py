@@ -16,7 +16,8 @@ import urllib.request
 import grpc
 import pytest
 
-from kvmesh.services.scheduler.overload import ADMISSION_HEADROOM, Throughput, estimated_wait_s, overload_retry_s
+from kvmesh.services.scheduler.overload import (ADMISSION_HEADROOM, Queued, Throughput, decode_wait_s,
+                                               estimated_wait_s, overload_retry_s, start_wait_s)
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from local_mesh import Mesh, wait_idle
@@ -43,6 +44,65 @@ def test_a_request_is_refused_when_its_estimated_wait_is_over_the_headroom_of_th
     assert overload_retry_s(8.0, limit) == pytest.approx(8.0 - ADMISSION_HEADROOM * limit)  # when it would be admitted
     assert overload_retry_s(ADMISSION_HEADROOM * limit + 0.2, limit) == 1.0  # a hint of at least a second
     assert overload_retry_s(10_000.0, 0.0) is None  # no queue-wait limit: no overload refusal either
+
+
+def test_the_prefill_rate_outlasts_a_decode_only_stretch_and_the_decode_step_time_follows_the_batch():
+    meter = Throughput(window=4)
+    meter.record(1000, 0.5, sequences=2)  # a prefill step: 2,000 tokens/s
+    for batch in (1, 2, 4, 8, 16, 32):  # decode steps of 10 ms plus 1 ms per sequence
+        meter.record(batch, 0.010 + 0.001 * batch, sequences=batch)
+    assert meter.prefill_tokens_per_s == pytest.approx(2000.0)
+    assert meter.decode_step_s(128) == pytest.approx(0.138)
+    assert meter.tokens_per_s == pytest.approx((4 + 8 + 16 + 32) / (0.040 + 0.060))  # the last 4 steps
+
+
+def steps(batch):
+    return 1.0  # a step takes a second whatever the batch: the waits below count decode steps
+
+
+def test_a_newcomer_waits_for_a_slot_only_when_every_slot_is_taken_or_will_be_before_its_turn():
+    def running(*outputs):
+        return [Queued(0, n, 1) for n in outputs]
+
+    assert decode_wait_s(running(50, 10, 30), [], slots=4, pages=100, newcomer_pages=1, step_s=steps) == 0
+    assert decode_wait_s(running(50, 10, 30), [], slots=3, pages=100, newcomer_pages=1, step_s=steps) == 10
+    # Two short ones ahead of it take the slot freed at step 10 in turn (10-15, 15-20); its turn comes at 20.
+    assert decode_wait_s(running(50, 10, 30), running(5, 5), slots=3, pages=100, newcomer_pages=1, step_s=steps) == 20
+    # Two long ones take the slots freed at steps 10 and 30; it gets the one freed at 50.
+    assert decode_wait_s(running(50, 10, 30), running(100, 100), slots=3, pages=100, newcomer_pages=1, step_s=steps) == 50
+
+
+def test_a_newcomer_waits_until_the_pages_of_its_whole_sequence_are_free():
+    holders = [Queued(0, 5, 40), Queued(0, 20, 40)]  # 80 of 100 pages, free again after 5 and 20 steps
+    assert decode_wait_s(holders, [], slots=8, pages=100, newcomer_pages=20, step_s=steps) == 0
+    assert decode_wait_s(holders, [], slots=8, pages=100, newcomer_pages=30, step_s=steps) == 5
+    assert decode_wait_s(holders, [], slots=8, pages=100, newcomer_pages=70, step_s=steps) == 20
+
+
+def test_decode_steps_are_timed_at_the_batch_size_that_runs_them():
+    # Two requests running, ending after 10 and 30 steps; the newcomer needs the second's pages.
+    holders = [Queued(0, 10, 50), Queued(0, 30, 50)]
+    wait = decode_wait_s(holders, [], slots=8, pages=100, newcomer_pages=60, step_s=lambda b: 0.010 * b)
+    assert wait == pytest.approx(10 * 0.020 + 20 * 0.010)
+
+
+def test_a_burst_that_fits_the_free_slots_waits_for_its_prefill_not_for_its_outputs():
+    # Right after a warm-up the recent steps are all decode steps (~300 tokens/s at batch 32): the
+    # old estimate (every queued prompt and output token at that rate) refused most of a burst of
+    # 128 requests a worker with 128 slots serves at once (docs/benchmarks.md).
+    meter = Throughput()
+    meter.record(1024, 0.4, sequences=4)  # the warm-up's prefill: 2,560 tokens/s
+    for batch in [*range(32, 0, -1)] * 2:  # a whole window of decode steps since
+        meter.record(batch, 0.030 + 0.0025 * batch, sequences=batch)
+    burst = [Queued(264, 136, -(-(264 + 136) // 16)) for _ in range(127)]
+    wait = start_wait_s([], burst, slots=128, pages=4000, newcomer_pages=25, throughput=meter)
+    assert wait == pytest.approx(127 * 264 / 2560)  # prefill only: about 13 s
+    assert estimated_wait_s(128 * 400, meter.tokens_per_s) > 100  # what the old estimate said
+    assert overload_retry_s(wait, 300.0) is None
+    # The same burst on a worker with 32 slots: they run 32 at a time, 136 decode steps each, so the
+    # newcomer (the 128th) starts after three such rounds.
+    slow = start_wait_s([], burst, slots=32, pages=4000, newcomer_pages=25, throughput=meter)
+    assert slow == pytest.approx(wait + 3 * 136 * meter.decode_step_s(32))
 
 
 @pytest.fixture(scope="module")

@@ -468,3 +468,15 @@ def test_a_prefill_chunk_cap_lets_a_short_request_start_beside_a_long_prompt():
     assert run.scheduled(plan) == {"long": 8, "short": 3}  # without the cap, "long" would take all 16
     run.to_completion()
     assert_all_finished_in_full(run)
+
+
+def test_the_requests_ahead_of_a_newcomer_are_those_admission_takes_before_it():
+    scheduler = Scheduler(PagePool(num_pages=64, page_size=2), SchedulerConfig(aging_s=10.0))
+    for request in (make_request("low", [1], priority=0, arrival=0.0), make_request("high", [2], priority=5, arrival=1.0),
+                    make_request("low-late", [3], priority=0, arrival=2.0)):
+        scheduler.add(request)
+    ahead = lambda newcomer: [r.request_id for r in scheduler.waiting_ahead_of(newcomer)]  # noqa: E731
+    assert ahead(make_request("new", [4], priority=0, arrival=3.0)) == ["high", "low", "low-late"]
+    assert ahead(make_request("urgent", [4], priority=9, arrival=3.0)) == []
+    # Aging (a point per 10 s): priority 2 arriving at 21 s ranks as priority 0 arriving at 1 s.
+    assert ahead(make_request("mid", [4], priority=2, arrival=21.0)) == ["high", "low"]

@@ -1,7 +1,9 @@
 """Scheduling under load through the mesh: KV-budget admission, chunked prefill, priorities, limits."""
 
 import asyncio
+import os
 import random
+import signal
 
 import grpc
 import pytest
@@ -76,10 +78,11 @@ def test_running_streams_keep_producing_while_a_long_prompt_is_prefilled_in_chun
 
 @pytest.fixture(scope="module")
 def one_slot_mesh(long_model_dir):
-    # One running request at a time, no aging, at most 3 waiting, 6 s at most in the queue (and new
-    # requests refused as overloaded once one has waited a third of that: 2 s, which the tests stay under).
+    # One running request at a time, no aging, at most 3 waiting. No queue-wait limit: these tests
+    # queue requests behind a blocker that would run for minutes, which the overload estimate
+    # would rightly refuse (test_overload.py).
     m = Mesh(long_model_dir, workers=1, extra_worker=LONG_KV, extra_scheduler=["--max-num-seqs", "1", "--aging-s", "0",
-                                                    "--max-queue-len", "3", "--max-queue-wait-s", "6"])
+                                                    "--max-queue-len", "3", "--max-queue-wait-s", "0"])
     yield m
     m.close()
 
@@ -128,22 +131,37 @@ def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint(one_slot_mesh
     assert all(f.reason == gen.LENGTH for *_, f in results)  # the queued ones were not harmed
 
 
-def test_a_request_waiting_past_the_queue_limit_is_refused_for_load_with_a_hint_and_holds_nothing(one_slot_mesh):
-    async def run():
-        async with grpc.aio.insecure_channel(one_slot_mesh.addr) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=10), LONG_REQUEST)))
-            await queue_state(one_slot_mesh.redis_url, lambda n: n == 1)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await collect(stub, ids_request(random_ids(8, seed=11), 3))
-            blocker.cancel()
-            return err.value, await wait_idle(one_slot_mesh.kvcache_addr)
+def test_a_request_admitted_on_an_estimate_its_stalled_worker_then_misses_is_refused_for_load_and_holds_nothing(long_model_dir):
+    # A worker that stalls (SIGSTOP: a swap storm, a hung device) after a request was admitted on a
+    # short estimate: the request is refused when it has waited max_queue_wait_s, before anything was
+    # streamed, and the worker serves again once it resumes. No health checks: nothing drains it meanwhile.
+    mesh = Mesh(long_model_dir, workers=1, extra_worker=LONG_KV,
+                extra_scheduler=["--max-num-seqs", "1", "--max-queue-wait-s", "2", "--health-check-interval-s", "0"])
+    worker = mesh.child("worker-0").process
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(mesh.addr) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                os.kill(worker.pid, signal.SIGSTOP)
+                try:
+                    blocker = asyncio.create_task(collect(stub, ids_request(random_ids(8, seed=10), 8)))
+                    await queue_state(mesh.redis_url, lambda n: n == 1)  # admitted: a step of it is in flight
+                    with pytest.raises(grpc.aio.AioRpcError) as err:  # 8 decode steps away: admitted, then it waits
+                        await collect(stub, ids_request(random_ids(8, seed=11), 3))
+                finally:
+                    os.kill(worker.pid, signal.SIGCONT)
+                return err.value, await blocker, await wait_idle(mesh.kvcache_addr)
 
-    error, idle = asyncio.run(run())
-    # Not an ERROR finish: nothing was streamed, and a client retries RESOURCE_EXHAUSTED after the hint.
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in the queue without starting" in error.details()
-    assert int(dict(error.trailing_metadata())["retry-after"]) >= 1
-    assert all(w.used_pages == 0 for w in idle)
+        error, (tokens, *_, finish), idle = asyncio.run(asyncio.wait_for(run(), 120))
+        # Not an ERROR finish: nothing was streamed, and a client retries RESOURCE_EXHAUSTED after the hint.
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in the queue without starting" in error.details()
+        assert int(dict(error.trailing_metadata())["retry-after"]) >= 1
+        assert finish.reason == gen.LENGTH and len(tokens) == 8  # the blocker finishes once the worker is back
+        assert all(w.used_pages == 0 for w in idle)
+    finally:
+        if worker.poll() is None:
+            os.kill(worker.pid, signal.SIGCONT)
+        mesh.close()
 
 
 def test_a_request_longer_than_the_worker_s_whole_kv_pool_is_refused_naming_the_limit(one_slot_mesh):

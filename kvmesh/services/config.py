@@ -201,7 +201,7 @@ class SchedulerServiceConfig:
     aging_s: float = dataclasses.field(default=10.0, metadata=_help("a waiting request gains one priority point per this many seconds (0: off)"))
     batching: str = dataclasses.field(default="continuous", metadata=_help("continuous; static (the baseline: a batch runs until its longest request ends, finished rows still decoding as in a padded batch); static-unpadded (finished rows leave the batch)"))
     max_queue_len: int = dataclasses.field(default=1024, metadata=_help("waiting requests at most; more get RESOURCE_EXHAUSTED"))
-    max_queue_wait_s: float = dataclasses.field(default=300.0, metadata=_help("a request that could not start within this long is refused at once (RESOURCE_EXHAUSTED with a retry hint, from the queued tokens and measured throughput), and one that waits this long all the same is refused then (0: no limit)"))
+    max_queue_wait_s: float = dataclasses.field(default=300.0, metadata=_help("a request that could not start within this long is refused at once (RESOURCE_EXHAUSTED with a retry hint, estimated from the requests ahead of it and the worker's measured step rates), and one that waits this long all the same is refused then (0: no limit)"))
     prefix_caching: bool = dataclasses.field(default=True, metadata=_help("share prompt prefixes"))
     kv_fetch: str = dataclasses.field(default="auto", metadata=_help("read a prompt's KV pages from a peer worker or the worker's host-memory tier instead of computing them: auto (when the measured transfer rate beats the measured prefill rate), always (whenever they are held), never"))
     worker_choice: str = dataclasses.field(default="kv", metadata=_help("kv (prefix overlap vs load) or round-robin"))

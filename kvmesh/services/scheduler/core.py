@@ -120,6 +120,10 @@ class Scheduler:
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=self._admission_key)
 
+    def waiting_ahead_of(self, request: Request) -> list[Request]:
+        """The waiting requests that admission would take before `request` were it queued now."""
+        return self.waiting[:bisect.bisect_right(self.waiting, self._admission_key(request), key=self._admission_key)]
+
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> TokenEvent | None:
         """Ends a request now and frees its pages; None if it is unknown or already finished."""
         req = self.requests.get(request_id)

@@ -1,43 +1,134 @@
 """Overload refused early: a request that could not start within max_queue_wait_s is refused at
 Submit with a retry hint, instead of waiting in the queue and failing late.
 
-A worker's wait for a new request is estimated as the tokens queued ahead of it (prompt still to
-compute plus output still to come, of every waiting request) over the tokens per second the
-worker has computed in its recent steps, or as the longest a waiting request has waited so far
-when that is more (the queue's own sojourn time catches a machine that slowed down after the
-estimate). A request is admitted while the estimate is within ADMISSION_HEADROOM of the
-queue-wait limit, so that a dip in throughput to a third still lets the admitted requests start
-in time; a request that waits past the limit all the same is refused then, never started, with the
-same hint (RESOURCE_EXHAUSTED, not an ERROR finish).
+A worker's wait for a new request is estimated the way its scheduler will serve the queue
+(`start_wait_s`): every waiting request is admitted, in order, as soon as a batch slot and the
+KV pages of its whole sequence are free; a running request frees both when its output is done
+(one token per step). So the wait is the prefill still to compute ahead of the newcomer, at the
+prefill rate the worker measured, plus the decode steps until its turn for a slot and pages, at
+the step time the worker measured for its batch size. A burst that fits the free slots waits for
+prefill only; outputs delay only those that must wait for someone to finish. The longest a
+waiting request has waited so far is the floor of the estimate (the queue's own sojourn time
+catches a machine that slowed down after it was measured). A request is admitted while the
+estimate is within ADMISSION_HEADROOM of the queue-wait limit, so that a dip in throughput to a
+third still lets the admitted requests start in time; a request that waits past the limit all
+the same is refused then, never started, with the same hint (RESOURCE_EXHAUSTED, not an ERROR
+finish).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
+from dataclasses import dataclass
+from typing import Callable
 
 ADMISSION_HEADROOM = 1 / 3
 MIN_RETRY_S = 1.0
 
 
+def _mean(values) -> float:
+    return sum(values) / len(values)
+
+
 class Throughput:
-    """Tokens computed per second of step time over a worker's last `window` steps (None before any)."""
+    """What a worker's recent steps measured: tokens per second over the last `window` steps, the
+    prefill rate over the last `window` steps that prefilled (a decode-only stretch does not
+    forget it), and the decode step time against batch size over the last `window` decode steps."""
 
     def __init__(self, window: int = 64):
         self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._prefill: deque[tuple[int, float]] = deque(maxlen=window)
+        self._decode: deque[tuple[int, float]] = deque(maxlen=window)
 
-    def record(self, tokens: int, seconds: float) -> None:
-        """One step (called on the batching loop: an append, nothing more)."""
+    def record(self, tokens: int, seconds: float, sequences: int | None = None) -> None:
+        """One step of `tokens` tokens over `sequences` sequences (called on the batching loop:
+        appends, nothing more). A step with more tokens than sequences prefilled."""
         self._steps.append((tokens, seconds))
+        if sequences is not None:
+            (self._prefill if tokens > sequences else self._decode).append((tokens, seconds))
 
     @property
     def tokens_per_s(self) -> float | None:
-        tokens = sum(t for t, _ in self._steps)
-        seconds = sum(s for _, s in self._steps)
-        return tokens / seconds if tokens and seconds > 0 else None
+        return _rate(self._steps)
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Tokens per second of the recent steps that prefilled; the overall rate before any did."""
+        return _rate(self._prefill) or self.tokens_per_s
+
+    def decode_step_s(self, batch: int) -> float | None:
+        """Seconds of a decode step of `batch` sequences: a line (fixed cost plus a cost per
+        sequence) fitted to the recent decode steps, or their mean time when their batch sizes
+        do not tell a slope; from the overall rate before any decode step was measured."""
+        if not self._decode:
+            rate = self.tokens_per_s
+            return batch / rate if rate else None
+        sizes, times = [b for b, _ in self._decode], [s for _, s in self._decode]
+        mb, ms = _mean(sizes), _mean(times)
+        spread = sum((b - mb) ** 2 for b in sizes)
+        if spread > 0:
+            slope = sum((b - mb) * (s - ms) for b, s in self._decode) / spread
+            fixed = ms - slope * mb
+            if slope > 0 and fixed >= 0:
+                return fixed + slope * batch
+        return ms
+
+
+def _rate(steps) -> float | None:
+    tokens = sum(t for t, _ in steps)
+    seconds = sum(s for _, s in steps)
+    return tokens / seconds if tokens and seconds > 0 else None
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A request as the wait estimate sees it: prompt tokens still to compute, output tokens
+    still to come, and the KV pages its whole sequence takes."""
+
+    prefill: int
+    outputs: int
+    pages: int
+
+
+def decode_wait_s(running: list[Queued], waiting: list[Queued], slots: int, pages: int, newcomer_pages: int,
+                  step_s: Callable[[int], float]) -> float:
+    """Seconds of decode steps until a request needing `newcomer_pages`, queued behind `waiting`
+    (in admission order), gets a batch slot and its pages, when each request holds one of `slots`
+    and its pages until its outputs are done (one per step), the pool has `pages`, and a step of
+    a batch of b sequences takes step_s(b)."""
+    ends = [(r.outputs, r.pages) for r in running]  # (the step it ends at, the pages it frees)
+    heapq.heapify(ends)
+    free_slots, free_pages = slots - len(running), pages - sum(r.pages for r in running)
+    now, seconds = 0, 0.0
+    for r in [*waiting, Queued(0, 0, newcomer_pages)]:
+        while (free_slots <= 0 or free_pages < r.pages) and ends:
+            batch = len(ends)
+            step, freed = heapq.heappop(ends)
+            if step > now:
+                seconds += (step - now) * step_s(batch)
+                now = step
+            free_slots, free_pages = free_slots + 1, free_pages + freed
+        heapq.heappush(ends, (now + r.outputs, r.pages))
+        free_slots, free_pages = free_slots - 1, free_pages - r.pages
+    return seconds
+
+
+def start_wait_s(running: list[Queued], waiting: list[Queued], slots: int, pages: int, newcomer_pages: int,
+                 throughput: Throughput) -> float:
+    """Seconds until a request needing `newcomer_pages` and queued now would start (0 when
+    nothing is measured yet): the prefill ahead of it at the measured prefill rate, plus the
+    decode steps until its turn (`decode_wait_s`) at the measured step time of their batch."""
+    prefill_rate = throughput.prefill_tokens_per_s
+    if prefill_rate is None:
+        return 0.0
+    prefill = sum(r.prefill for r in running) + sum(r.prefill for r in waiting)
+    decode_s = decode_wait_s(running, waiting, slots, pages, newcomer_pages, lambda b: throughput.decode_step_s(b) or 0.0)
+    return prefill / prefill_rate + decode_s
 
 
 def estimated_wait_s(queued_tokens: int, tokens_per_s: float | None) -> float:
-    """Seconds until a request queued behind `queued_tokens` starts (0 when nothing is measured yet)."""
+    """Seconds to compute `queued_tokens` at `tokens_per_s` (0 when nothing is measured yet)."""
     return queued_tokens / tokens_per_s if tokens_per_s else 0.0
 
 

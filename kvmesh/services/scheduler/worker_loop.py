@@ -31,7 +31,7 @@ from kvmesh.services import wire
 from kvmesh.services.config import SchedulerServiceConfig
 from kvmesh.services.scheduler.core import Scheduler, TokenEvent
 from kvmesh.services.scheduler.kv_events import KVPublisher, TracedPagePool
-from kvmesh.services.scheduler.overload import Throughput, estimated_wait_s
+from kvmesh.services.scheduler.overload import Queued, Throughput, start_wait_s
 from kvmesh.services.scheduler.placement import WorkerView
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import SampledToken, StepResult
@@ -121,7 +121,7 @@ class WorkerLoop:
         # Cumulative seconds per part of a step: scheduling, the worker's forward pass, the rest
         # of the round trip (wire and (de)serialisation), and applying the result.
         self.timing = {"steps": 0, "schedule_s": 0.0, "forward_s": 0.0, "wire_s": 0.0, "update_s": 0.0}
-        self.throughput = Throughput()  # recent tokens per second of step: what the overload estimate divides by
+        self.throughput = Throughput()  # recent step rates: what the overload estimate and fetch_pays go by
         self.metrics = metrics.worker(self.worker_id)
         self._step_hist, self._batch_hist, self._tokens_hist = self.metrics.step, self.metrics.batch_size, self.metrics.step_tokens
         self._preemptions_seen = 0
@@ -135,22 +135,28 @@ class WorkerLoop:
         stats = self.pool.stats()
         return WorkerView(self.worker_id, held, remaining / self.pool.page_size, stats.used + stats.cached)
 
-    def estimated_wait_s(self) -> float:
-        """Seconds until a request queued now would start: the waiting requests' tokens over recent
-        throughput, or the longest a waiting request has waited so far if more (a queue moving
-        slower than the estimate, the machine slowed down, shows there)."""
+    def estimated_wait_s(self, req: Request) -> float:
+        """Seconds until `req`, queued now, would start (overload.start_wait_s over this worker's
+        running requests and the waiting ones admitted before it), or the longest one of those has
+        waited so far if more (a queue moving slower than the estimate, the machine slowed down,
+        shows there)."""
         now = time.monotonic()
-        tokens, oldest = 0, now
-        for r in self.core.waiting:
-            tokens += self.estimated_tokens(r)
-            if r.first_scheduled_time is None:
-                oldest = min(oldest, r.arrival_time)
-        return max(estimated_wait_s(tokens, self.throughput.tokens_per_s), now - oldest)
+        ahead = self.core.waiting_ahead_of(req)
+        oldest = min((r.arrival_time for r in ahead if r.first_scheduled_time is None), default=now)
+        slots = min(self.core.seq_limit, self.core.config.max_num_seqs)
+        wait = start_wait_s([self._queued(r) for r in self.core.running], [self._queued(r) for r in ahead],
+                            slots, self.pool.num_pages, self._queued(req).pages, self.throughput)
+        return max(wait, now - oldest)
+
+    def _queued(self, r: Request) -> Queued:
+        computed = max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0))
+        return Queued(max(0, r.num_tokens - computed), r.stopping.max_new_tokens - len(r.output_token_ids),
+                      self.pool.pages_needed(len(r.prompt_token_ids) + r.stopping.max_new_tokens))
 
     def estimated_tokens(self, r: Request) -> int:
         """Tokens still to compute (prompt not yet computed nor expected from the cache) or to generate."""
-        computed = max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0))
-        return (r.num_tokens - computed) + (r.stopping.max_new_tokens - len(r.output_token_ids))
+        q = self._queued(r)
+        return q.prefill + q.outputs
 
     def local_prefix_pages(self, hashes: list[bytes]) -> int:
         """Leading pages of a prompt this worker's pool holds or will hold (a queued prompt's)."""
@@ -330,7 +336,7 @@ class WorkerLoop:
                     self._fail([seq_id], f"worker {self.worker_id} failed the request" + (f": {why}" if why else ""))
                 self.publisher.after_step()
                 self._account(t0, t1, t2, result.forward_ms / 1000)
-                self.throughput.record(plan.num_tokens, time.perf_counter() - t0)
+                self.throughput.record(plan.num_tokens, time.perf_counter() - t0, len(plan.scheduled))
                 self._step_hist.observe(t2 - t1)
                 self._batch_hist.observe(len(plan.scheduled))
                 self._tokens_hist.observe(plan.num_tokens)
