@@ -132,8 +132,9 @@ def main() -> None:
                 wait_ready(args.http_port, proc)
                 bench_pass(args.vllm_python, model, args.http_port, "inf", 32, seed=1000)  # warm-up
                 for i in range(args.passes):
-                    for rate in rates:
-                        r = bench_pass(args.vllm_python, model, args.http_port, rate, args.num_prompts, seed=i)
+                    for j, rate in enumerate(rates):  # prompts of their own: no pass hits another's prefix cache
+                        r = bench_pass(args.vllm_python, model, args.http_port, rate, args.num_prompts,
+                                       seed=i * len(rates) + j)
                         results.setdefault((system, rate), []).append(r)
                         print(f"  {system:<6} rate {rate:>4} pass {i + 1}: output {r['output_throughput']:7.1f} tok/s  "
                               f"TTFT p50 {r['median_ttft_ms']:8.0f} ms  TPOT p50 {r['median_tpot_ms']:6.0f} ms  "

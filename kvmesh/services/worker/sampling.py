@@ -1,9 +1,12 @@
 """Choosing each sequence's next token from its logits.
 
 Order: logit bias (OpenAI's `logit_bias`, added first), then as transformers applies them: repetition penalty, presence/frequency penalties,
-temperature, top-k, top-p, then a draw. The draw for output position n of a seeded request uses
-a generator seeded from (seed, n) alone, so the same request gives the same tokens alone, inside
-any batch, after preemption and on another worker. The reported logprob is the chosen token's
+temperature, top-k, top-p, then a draw. The draw for output position n of a request is the token
+where its cumulative probability (in vocabulary order) passes a uniform number made from
+(seed, n) alone, so the same request gives the same tokens alone, inside any batch, after
+preemption and on another worker. Everything but the penalties and logit bias runs on the whole
+batch at once: a per-row loop cost about 0.6 ms a row over a 32,000-token vocabulary, most of a
+decode step at 128 sequences. The reported logprob is the chosen token's
 log-probability under the model's raw distribution (before any processing), as vLLM reports it.
 `top_logprobs` gives the likeliest tokens of a row under that same raw distribution.
 A row that cannot be sampled (its logits or probabilities are not finite) fails alone; the others are drawn.
@@ -79,15 +82,27 @@ def _apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int],
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if 0 < top_k < logits.shape[0]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=False)
+    """One row's logits with what top-k, then top-p, removes set to -inf (transformers' warpers)."""
+    return _filter_rows(logits[None], [top_k], [top_p])[0]
+
+
+def _filter_rows(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """`logits` (`[rows, vocab]`) with what each row's top-k, then top-p, removes set to -inf: top-k
+    keeps the tokens at least as likely as the k-th, top-p the likeliest tokens whose probability
+    adds up to top_p (at least one), as transformers' TopKLogitsWarper and TopPLogitsWarper do."""
+    vocab = logits.shape[1]
+    by_k = [i for i, k in enumerate(top_k) if 0 < k < vocab]
+    if by_k:
+        ks = torch.tensor([top_k[i] for i in by_k])
+        kth = torch.topk(logits[by_k], int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
+        logits[by_k] = logits[by_k].masked_fill(logits[by_k] < kth, float("-inf"))
+    by_p = [i for i, p in enumerate(top_p) if p < 1.0]
+    if by_p:
+        sorted_logits, order = torch.sort(logits[by_p], dim=-1, descending=False)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= 1 - top_p
-        remove_sorted[-1] = False  # always keep the most likely token
-        logits = logits.masked_fill(remove_sorted.scatter(0, order, remove_sorted), float("-inf"))
+        remove_sorted = cumulative <= 1 - torch.tensor([top_p[i] for i in by_p])[:, None]
+        remove_sorted[:, -1] = False  # always keep the most likely token
+        logits[by_p] = logits[by_p].masked_fill(remove_sorted.scatter(1, order, remove_sorted), float("-inf"))
     return logits
 
 
@@ -101,19 +116,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     failures: dict[int, str] = {}
     if any(r.grammar is not None for r in rows):
         # The grammar's mask is -inf on every token it forbids, so no logit_bias or penalty added
-        # after it (in _sample_row) makes one of them drawable again.
+        # after it makes one of them drawable again.
         logits = _constrained(logits, rows, failures)
     if all(r.params.greedy and not r.processed for r in rows):
         chosen = logits.argmax(dim=-1)
     else:
-        ids = []
-        for i, r in enumerate(rows):
-            try:
-                ids.append(_sample_row(logits[i].clone(), r))
-            except Exception as e:  # this row's values, not the batch: the others are still drawn
-                failures[i] = f"sampling failed: {e}"
-                ids.append(0)
-        chosen = torch.tensor(ids, dtype=torch.long)
+        chosen = _choose(logits.clone(), rows, failures)
     picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     for i, logprob in enumerate(picked):
         # Finite logits give every token a finite raw logprob: a NaN or inf here means the row's
@@ -121,6 +129,63 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         if not math.isfinite(logprob) and i not in failures:
             failures[i] = "the model's logits for it are not finite"
     return chosen.tolist(), picked, failures
+
+
+def _choose(logits: torch.Tensor, rows: list[SamplingRow], failures: dict[int, str]) -> torch.Tensor:
+    """Each row's token: its bias and penalties (on a copy of `logits`), then greedy rows take the
+    argmax and the others are drawn (`_draw`); a row that fails gets 0."""
+    if any(r.processed for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.processed:
+                try:
+                    _process_row(logits[i], r)
+                except Exception as e:  # this row's values, not the batch: the others are still drawn
+                    failures[i] = f"sampling failed: {e}"
+    chosen = torch.zeros(len(rows), dtype=torch.long)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy and i not in failures]
+    drawn = [i for i, r in enumerate(rows) if not r.params.greedy and i not in failures]
+    if greedy:
+        chosen[greedy] = logits[greedy].argmax(dim=-1)
+    if drawn:
+        chosen[drawn], not_finite = _draw(logits if len(drawn) == len(rows) else logits[drawn], [rows[i] for i in drawn])
+        for j in not_finite:
+            p = rows[drawn[j]].params
+            failures[drawn[j]] = (f"sampling failed: probabilities are not finite (temperature={p.temperature}, "
+                                  f"repetition_penalty={p.repetition_penalty})")
+            chosen[drawn[j]] = 0
+    return chosen
+
+
+def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
+    """Adds the row's logit bias and applies its penalties, in place."""
+    if row.bias_ids is not None:
+        logits.index_add_(0, row.bias_ids, row.bias_values)
+    if row.params.has_penalties:
+        logits.copy_(_apply_penalties(logits, row.params, row.prompt_ids, row.output_ids))
+
+
+def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, list[int]]:
+    """One token per row of `logits` (`[rows, vocab]`) after temperature, top-k and top-p: the first
+    whose cumulative probability passes the row's uniform number for (seed, output position).
+    Also returns the rows whose probabilities are not finite (their tokens mean nothing)."""
+    temperatures = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)[:, None]
+    scaled = _filter_rows(logits / temperatures, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
+    cdf = scaled.softmax(dim=-1).cumsum_(dim=-1)
+    total = cdf[:, -1]
+    # A row with a NaN or inf probability has a total that is not finite (probabilities are at most 1).
+    not_finite = (~torch.isfinite(total)).nonzero().flatten().tolist()
+    uniforms = torch.tensor([uniform(r.params.seed or 0, len(r.output_ids)) for r in rows], dtype=cdf.dtype)
+    # Below the total, always: the token found then has a probability above zero.
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    ids = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    return ids.clamp_(max=logits.shape[1] - 1), not_finite
+
+
+def uniform(seed: int, position: int) -> float:
+    """A number in [0, 1) for one output position of a seed: the top 24 bits of its position seed
+    (exact in float32)."""
+    return (position_seed(seed, position) >> 39) * 2.0**-24
 
 
 def _constrained(logits: torch.Tensor, rows: list[SamplingRow], failures: dict[int, str]) -> torch.Tensor:
@@ -144,25 +209,6 @@ def _constrained(logits: torch.Tensor, rows: list[SamplingRow], failures: dict[i
             if not ok:
                 failures.setdefault(i, "structured_output: the grammar allows no further token")
     return logits
-
-
-def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
-    """One row's draw; ValueError when its probabilities are not finite (checked here, not left to
-    torch.multinomial, which on CUDA may fail the whole device instead of raising)."""
-    p = row.params
-    if row.bias_ids is not None:
-        logits.index_add_(0, row.bias_ids, row.bias_values)
-    if p.has_penalties:
-        logits = _apply_penalties(logits, p, row.prompt_ids, row.output_ids)
-    if p.greedy:
-        return int(logits.argmax())
-    logits = _filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
-    probs = logits.softmax(dim=-1)
-    if not bool(torch.isfinite(probs).all()):
-        raise ValueError(f"probabilities are not finite (temperature={p.temperature}, "
-                         f"repetition_penalty={p.repetition_penalty})")
-    generator = torch.Generator().manual_seed(position_seed(p.seed or 0, len(row.output_ids)))
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
