@@ -20,6 +20,7 @@ from kvmesh.params import SamplingParams
 from kvmesh.services.worker.sampling import (
     SamplingRow,
     _apply_penalties,
+    _filter_rows,
     _filter_top_k_top_p,
     position_seed,
     sample,
@@ -289,3 +290,17 @@ def test_a_row_with_non_finite_logits_fails_even_when_greedy():
     chosen, _, failures = sample(logits, [row(temperature=0.0) for _ in range(3)])
     assert list(failures) == [1] and "logits" in failures[1]
     assert [chosen[0], chosen[2]] == [int(logits[0].argmax()), int(logits[2].argmax())]
+
+
+@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.9, 0.99])
+@pytest.mark.parametrize("scale", [4.0, 8.0])
+def test_top_p_over_a_large_vocabulary_keeps_the_tokens_transformers_keeps(top_p, scale):
+    # 32,000 tokens: rows whose nucleus lies among the likeliest 1,024 are cut without a full
+    # sort (a trained model's peaked rows; scale 8 here), the others are sorted whole (scale 4
+    # at top-p 0.99 spreads past 1,024 tokens). Both must keep what transformers keeps.
+    logits = random_logits(6, vocab=32000, seed=15, scale=scale)
+    theirs = TopPLogitsWarper(top_p)(None, logits.clone())
+    ours = _filter_rows(logits.clone(), [0] * 6, [top_p] * 6)
+    for i in range(6):
+        assert_same_survivors(ours[i], theirs[i])
+    assert _filter_rows(logits.clone(), [5] * 6, [top_p] * 6).isfinite().sum(dim=-1).le(5).all()  # top-k first
