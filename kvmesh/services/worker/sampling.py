@@ -150,7 +150,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     if all(r.params.greedy and not r.processed for r in rows):
         chosen = logits.argmax(dim=-1)
     else:
-        chosen = _choose(logits.clone(), rows, failures)
+        chosen = _choose(logits, rows, failures)
     picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     for i, logprob in enumerate(picked):
         # Finite logits give every token a finite raw logprob: a NaN or inf here means the row's
@@ -191,7 +191,7 @@ def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
     if row.bias_ids is not None:
         logits.index_add_(0, row.bias_ids, row.bias_values)
     if row.params.has_penalties:
-        logits.copy_(_apply_penalties(logits, row.params, row.prompt_ids, row.output_ids))
+        _apply_penalties(logits, row.params, row.prompt_ids, row.output_ids)  # in place
 
 
 def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, list[int]]:
