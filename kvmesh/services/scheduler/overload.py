@@ -45,7 +45,7 @@ class Throughput:
         """One step of `tokens` tokens over `sequences` sequences (called on the batching loop:
         appends, nothing more). A step with more tokens than sequences prefilled."""
         self._steps.append((tokens, seconds))
-        if sequences is not None:
+        if sequences:
             (self._prefill if tokens > sequences else self._decode).append((tokens, seconds))
 
     @property

@@ -205,6 +205,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         worker = self.pick_worker(hashes, request.version)
         if worker is None:  # the one found above left meanwhile
             await self._no_worker(request, context, span)
+        try:  # a request that can never fit is a bad request, whatever the load
+            worker.core.check_fits(req)
+        except InvalidRequest as e:
+            await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         wait_s = worker.estimated_wait_s(req)
         if (retry_s := overload_retry_s(wait_s, self.cfg.max_queue_wait_s)) is not None:
             await self._refuse_for_load(context, span, f"overloaded: a request queued now would wait about {wait_s:.0f} s "
