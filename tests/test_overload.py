@@ -16,8 +16,10 @@ import urllib.request
 import grpc
 import pytest
 
+from kvmesh.params import SamplingParams, StoppingParams
 from kvmesh.services.scheduler.overload import (ADMISSION_HEADROOM, Queued, Throughput, decode_wait_s,
                                                estimated_wait_s, overload_retry_s, start_wait_s)
+from kvmesh.services.scheduler.request import Request
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from local_mesh import Mesh, wait_idle
@@ -72,11 +74,24 @@ def test_a_newcomer_waits_for_a_slot_only_when_every_slot_is_taken_or_will_be_be
     assert decode_wait_s(running(50, 10, 30), running(100, 100), slots=3, pages=100, newcomer_pages=1, step_s=steps) == 50
 
 
-def test_a_newcomer_waits_until_the_pages_of_its_whole_sequence_are_free():
+def test_a_newcomer_waits_until_the_pages_admission_counts_for_it_are_free():
     holders = [Queued(0, 5, 40), Queued(0, 20, 40)]  # 80 of 100 pages, free again after 5 and 20 steps
     assert decode_wait_s(holders, [], slots=8, pages=100, newcomer_pages=20, step_s=steps) == 0
     assert decode_wait_s(holders, [], slots=8, pages=100, newcomer_pages=30, step_s=steps) == 5
     assert decode_wait_s(holders, [], slots=8, pages=100, newcomer_pages=70, step_s=steps) == 20
+
+
+def test_a_chat_request_free_to_run_to_the_end_of_the_context_does_not_hold_back_a_newcomer():
+    # No max_tokens: max_new_tokens is the rest of a 131,072-token context. Admission counts its
+    # known tokens' pages, and so does the estimate; with slots free the newcomer waits for nothing.
+    chat = Request("chat", list(range(40)), SamplingParams(), StoppingParams(max_new_tokens=131_072 - 40))
+    chat.append_output(7, -1.0)
+    running = Queued.of(chat, computed=40, page_size=16)
+    assert running == Queued(prefill=1, outputs=131_072 - 41, pages=3)
+    meter = Throughput()
+    meter.record(512, 0.25, sequences=1)
+    meter.record(1, 0.01, sequences=1)
+    assert start_wait_s([running], [], slots=128, pages=4096, newcomer_pages=3, throughput=meter) == pytest.approx(1 / 2048)
 
 
 def test_decode_steps_are_timed_at_the_batch_size_that_runs_them():

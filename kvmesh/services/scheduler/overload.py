@@ -3,8 +3,8 @@ Submit with a retry hint, instead of waiting in the queue and failing late.
 
 A worker's wait for a new request is estimated the way its scheduler will serve the queue
 (`start_wait_s`): every waiting request is admitted, in order, as soon as a batch slot and the
-KV pages of its whole sequence are free; a running request frees both when its output is done
-(one token per step). So the wait is the prefill still to compute ahead of the newcomer, at the
+KV pages of its known tokens are free (admission's own rule); a running request frees both when
+its output is done (one token per step). So the wait is the prefill still to compute ahead of the newcomer, at the
 prefill rate the worker measured, plus the decode steps until its turn for a slot and pages, at
 the step time the worker measured for its batch size. A burst that fits the free slots waits for
 prefill only; outputs delay only those that must wait for someone to finish. The longest a
@@ -22,6 +22,8 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
+
+from kvmesh.services.scheduler.request import Request
 
 ADMISSION_HEADROOM = 1 / 3
 MIN_RETRY_S = 1.0
@@ -84,11 +86,21 @@ def _rate(steps) -> float | None:
 @dataclass(frozen=True)
 class Queued:
     """A request as the wait estimate sees it: prompt tokens still to compute, output tokens
-    still to come, and the KV pages its whole sequence takes."""
+    still to come, and the KV pages admission counts for it."""
 
     prefill: int
     outputs: int
     pages: int
+
+    @classmethod
+    def of(cls, request: Request, computed: int, page_size: int) -> "Queued":
+        """`request` with `computed` of its tokens computed or expected from the cache. Its pages
+        are those admission counts, for the tokens known now (its output grows them later, and
+        preemption makes room then), not for max_new_tokens, which a chat request without
+        max_tokens sets to the rest of the context."""
+        generated = len(request.output_token_ids)
+        return cls(max(0, request.num_tokens - computed), request.stopping.max_new_tokens - generated,
+                   -(-request.num_tokens // page_size))
 
 
 def decode_wait_s(running: list[Queued], waiting: list[Queued], slots: int, pages: int, newcomer_pages: int,

@@ -149,9 +149,7 @@ class WorkerLoop:
         return max(wait, now - oldest)
 
     def _queued(self, r: Request) -> Queued:
-        computed = max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0))
-        return Queued(max(0, r.num_tokens - computed), r.stopping.max_new_tokens - len(r.output_token_ids),
-                      self.pool.pages_needed(len(r.prompt_token_ids) + r.stopping.max_new_tokens))
+        return Queued.of(r, max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0)), self.pool.page_size)
 
     def estimated_tokens(self, r: Request) -> int:
         """Tokens still to compute (prompt not yet computed nor expected from the cache) or to generate."""
