@@ -45,14 +45,28 @@ def by_name(spans, name):
     return [s for _, s in spans if s.name == name]
 
 
+def attribute(span, key):
+    values = [a.value for a in span.attributes if a.key == key]
+    return values[0].string_value if values else None
+
+
 def test_one_generate_is_one_trace_across_all_four_services(mesh, receiver):
-    # kvcache is in it because the router looks the prompt's pages up to choose a scheduler.
+    # kvcache is in it because the router looks the prompt's pages up to choose a scheduler. That
+    # lookup may not answer within its 250 ms on a loaded machine (the router then routes by load,
+    # and its span says so): such a request is not the case under test, and another is sent.
     n = 9
-    initial, tokens, finish = asyncio.run(generate(mesh, greedy("the trace follows every hop", n)))
-    assert len(tokens) == n and finish.trace_id and initial["kvmesh-trace-id"] == finish.trace_id
-    trace_id = bytes.fromhex(finish.trace_id)
-    spans = receiver.wait_for(trace_id, lambda s: len(by_name(s, "kvmesh.token_step")) >= n
-                              and len(by_name(s, "kvmesh.kv.release")) >= 1 and len(by_name(s, "kvmesh.kv.lookup")) >= 1)
+    for attempt in range(5):
+        initial, tokens, finish = asyncio.run(generate(mesh, greedy(f"the trace follows every hop {attempt}", n)))
+        assert len(tokens) == n and finish.trace_id and initial["kvmesh-trace-id"] == finish.trace_id
+        trace_id = bytes.fromhex(finish.trace_id)
+        spans = receiver.wait_for(trace_id, lambda s: len(by_name(s, "kvmesh.token_step")) >= n
+                                  and len(by_name(s, "kvmesh.kv.release")) >= 1 and len(by_name(s, "kvmesh.generate")) == 1)
+        outcome = attribute(by_name(spans, "kvmesh.generate")[0], "kvmesh.prefix_lookup")
+        assert outcome in ("hit", "miss", "unavailable")
+        if outcome != "unavailable":
+            break
+    assert outcome != "unavailable", "kvcache did not answer the router's lookup in time in 5 requests"
+    spans = receiver.wait_for(trace_id, lambda s: len(by_name(s, "kvmesh.kv.lookup")) >= 1)
     assert {svc for svc, _ in spans} == SERVICES
     steps = by_name(spans, "kvmesh.token_step")
     assert len(steps) == n
@@ -75,7 +89,7 @@ def test_one_generate_is_one_trace_across_all_four_services(mesh, receiver):
     lookup, = by_name(spans, "kvmesh.kv.lookup")
     assert lookup.parent_span_id == generate_span.span_id
     assert {a.key for a in lookup.attributes} >= {"kvmesh.prompt_pages", "kvmesh.best_prefix_pages"}
-    assert {a.key for a in generate_span.attributes} >= {"kvmesh.scheduler", "kvmesh.routed_prefix_pages"}
+    assert {a.key for a in generate_span.attributes} >= {"kvmesh.scheduler", "kvmesh.routed_prefix_pages", "kvmesh.prefix_lookup"}
 
     # kvmesh.forward: one span per worker step, in the worker's own trace, linked to the request.
     forwards = receiver.linked_forwards(trace_id)

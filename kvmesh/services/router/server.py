@@ -383,13 +383,13 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         """Scheduler address -> the most leading pages of `hashes` one of its workers holds at its
         live epoch, from kvcache's prefix index; {} when kvcache cannot answer in time."""
         if self.kvcache is None:
-            self.metrics.prefix_lookups.labels(pool.name, "unavailable").inc()
+            self._lookup_outcome(pool, span, "unavailable")
             return {}
         try:
             found = await self.kvcache.Lookup(kvcache_pb2.LookupRequest(hashes=hashes), timeout=LOOKUP_TIMEOUT_S,
                                               metadata=telemetry.metadata_with_context(span))
         except grpc.aio.AioRpcError as e:
-            self.metrics.prefix_lookups.labels(pool.name, "unavailable").inc()
+            self._lookup_outcome(pool, span, "unavailable")
             log.debug("prefix lookup failed (%s): routing by load", e.code().name)
             return {}
         held: dict[str, int] = {}
@@ -397,8 +397,13 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             owner, epoch = pool.owners.get(w.worker_id, (None, None))
             if owner is not None and epoch == w.epoch:
                 held[owner] = max(held.get(owner, 0), w.pages)
-        self.metrics.prefix_lookups.labels(pool.name, "hit" if held else "miss").inc()
+        self._lookup_outcome(pool, span, "hit" if held else "miss")
         return held
+
+    def _lookup_outcome(self, pool: Pool, span, outcome: str) -> None:
+        """Counted, and on the request's span: a trace shows whether kvcache answered in time."""
+        self.metrics.prefix_lookups.labels(pool.name, outcome).inc()
+        span.set_attribute("kvmesh.prefix_lookup", outcome)
 
     def _choice_submit(self, submit: scheduler_pb2.SubmitRequest, i: int, asked) -> scheduler_pb2.SubmitRequest:
         """Choice i's request: its own id and seed (derived from the request's seed when one was
