@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from kvmesh.params import SamplingParams, StoppingParams
-from kvmesh.services.scheduler.overload import (ADMISSION_HEADROOM, Queued, Throughput, decode_wait_s,
+from kvmesh.services.scheduler.overload import (ADMISSION_HEADROOM, OutputLengths, Queued, Throughput, decode_wait_s,
                                                estimated_wait_s, overload_retry_s, start_wait_s)
 from kvmesh.services.scheduler.request import Request
 from kvmesh.v1 import generation_pb2 as gen
@@ -92,6 +92,41 @@ def test_a_chat_request_free_to_run_to_the_end_of_the_context_does_not_hold_back
     meter.record(512, 0.25, sequences=1)
     meter.record(1, 0.01, sequences=1)
     assert start_wait_s([running], [], slots=128, pages=4096, newcomer_pages=3, throughput=meter) == pytest.approx(1 / 2048)
+
+
+def test_a_request_that_may_end_on_its_own_is_expected_to_run_as_long_as_recent_ones_that_came_as_far():
+    lengths = OutputLengths(window=64)
+    assert lengths.remaining(0, at_most=5000) == 5000  # nothing recorded: max_new_tokens
+    for n in [*range(10, 210, 10)] * 3 + [1000] * 4:  # 60 finishes of 10..200 tokens, then 4 of 1,000
+        lengths.record(n)
+    assert lengths.remaining(0, at_most=5000) == 110  # the median of the 64
+    assert lengths.remaining(150, at_most=5000) == 190 - 150  # the median of the 19 that ran past 150
+    assert lengths.remaining(0, at_most=40) == 40  # never more than max_new_tokens allows
+    assert lengths.remaining(500, at_most=5000) == 5000  # only 4 came that far: too few to say
+    for _ in range(64):  # the window holds the last 64 finishes only
+        lengths.record(30)
+    assert lengths.remaining(0, at_most=5000) == 30
+
+
+def test_with_every_slot_held_by_chats_a_newcomer_waits_for_the_first_to_end_as_chats_end_here():
+    # 128 running chat requests without max_tokens (max_new_tokens: the rest of the context). Taken
+    # at their word, the first slot frees after ~131,000 steps, and the newcomer would be refused.
+    lengths = OutputLengths()
+    for n in range(100, 300):
+        lengths.record(n)
+    chats = []
+    for i in range(128):
+        chat = Request(f"chat{i}", [1] * 40, SamplingParams(), StoppingParams(max_new_tokens=131_072 - 40))
+        for _ in range(i):
+            chat.append_output(7, -1.0)
+        chats.append(chat)
+    running = [Queued.of(c, computed=c.num_tokens, page_size=16, lengths=lengths) for c in chats]
+    first_end = min(r.outputs for r in running)
+    assert first_end == 87  # chat127 (127 tokens out) ends first: the median of the lengths above 127 is 214
+    step_s = lambda b: 0.05  # noqa: E731
+    assert decode_wait_s(running, [], slots=128, pages=100_000, newcomer_pages=3, step_s=step_s) == pytest.approx(first_end * 0.05)
+    worst = [Queued.of(c, computed=c.num_tokens, page_size=16) for c in chats]
+    assert decode_wait_s(worst, [], slots=128, pages=100_000, newcomer_pages=3, step_s=step_s) > 6000
 
 
 def test_decode_steps_are_timed_at_the_batch_size_that_runs_them():

@@ -18,6 +18,7 @@ finish).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from dataclasses import dataclass
@@ -93,14 +94,48 @@ class Queued:
     pages: int
 
     @classmethod
-    def of(cls, request: Request, computed: int, page_size: int) -> "Queued":
+    def of(cls, request: Request, computed: int, page_size: int, lengths: OutputLengths | None = None) -> "Queued":
         """`request` with `computed` of its tokens computed or expected from the cache. Its pages
         are those admission counts, for the tokens known now (its output grows them later, and
         preemption makes room then), not for max_new_tokens, which a chat request without
-        max_tokens sets to the rest of the context."""
+        max_tokens sets to the rest of the context. Its outputs to come are what is left of
+        max_new_tokens, or, when it may end on its own and `lengths` are given, what recent such
+        requests that came as far went on for."""
         generated = len(request.output_token_ids)
-        return cls(max(0, request.num_tokens - computed), request.stopping.max_new_tokens - generated,
-                   -(-request.num_tokens // page_size))
+        outputs = request.stopping.max_new_tokens - generated
+        if lengths is not None and not request.stopping.ignore_eos:
+            outputs = lengths.remaining(generated, outputs)
+        return cls(max(0, request.num_tokens - computed), outputs, -(-request.num_tokens // page_size))
+
+
+class OutputLengths:
+    """The output lengths of a worker's last `window` finished requests that could end on their
+    own (no ignore_eos), kept sorted: what the wait estimate expects of such a request's output
+    instead of its max_new_tokens."""
+
+    MIN_SAMPLES = 8  # fewer finishes that came as far say too little: max_new_tokens is taken then
+
+    def __init__(self, window: int = 256):
+        self._recent: deque[int] = deque()
+        self._sorted: list[int] = []
+        self._window = window
+
+    def record(self, length: int) -> None:
+        """A finished request's output length (at a finish: O(window), off the per-token path)."""
+        self._recent.append(length)
+        bisect.insort(self._sorted, length)
+        if len(self._recent) > self._window:
+            del self._sorted[bisect.bisect_left(self._sorted, self._recent.popleft())]
+
+    def remaining(self, generated: int, at_most: int) -> int:
+        """Outputs still to come of a request that has generated `generated`: the median of the
+        recorded lengths above that, less `generated` (at most `at_most`); `at_most` when fewer
+        than MIN_SAMPLES recorded requests came that far."""
+        first = bisect.bisect_right(self._sorted, generated)
+        beyond = len(self._sorted) - first
+        if beyond < self.MIN_SAMPLES:
+            return at_most
+        return min(at_most, self._sorted[first + beyond // 2] - generated)
 
 
 def decode_wait_s(running: list[Queued], waiting: list[Queued], slots: int, pages: int, newcomer_pages: int,

@@ -31,7 +31,7 @@ from kvmesh.services import wire
 from kvmesh.services.config import SchedulerServiceConfig
 from kvmesh.services.scheduler.core import Scheduler, TokenEvent
 from kvmesh.services.scheduler.kv_events import KVPublisher, TracedPagePool
-from kvmesh.services.scheduler.overload import Queued, Throughput, start_wait_s
+from kvmesh.services.scheduler.overload import OutputLengths, Queued, Throughput, start_wait_s
 from kvmesh.services.scheduler.placement import WorkerView
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import SampledToken, StepResult
@@ -49,6 +49,9 @@ class WorkerGone(Exception):
 FETCH_OVERHEAD_S = 0.01
 DEFAULT_TRANSFER_BYTES_PER_S = 200e6
 DEFAULT_PREFILL_TOKENS_PER_S = 500.0
+
+
+ENDED = (FinishReason.STOP, FinishReason.EOS, FinishReason.LENGTH)  # not cut short by a client or a failure
 
 
 def leading_run(hashes: list[bytes], start: int, held) -> int:
@@ -122,6 +125,7 @@ class WorkerLoop:
         # of the round trip (wire and (de)serialisation), and applying the result.
         self.timing = {"steps": 0, "schedule_s": 0.0, "forward_s": 0.0, "wire_s": 0.0, "update_s": 0.0}
         self.throughput = Throughput()  # recent step rates: what the overload estimate and fetch_pays go by
+        self.output_lengths = OutputLengths()  # how long outputs that may end on their own ran: the estimate's too
         self.metrics = metrics.worker(self.worker_id)
         self._step_hist, self._batch_hist, self._tokens_hist = self.metrics.step, self.metrics.batch_size, self.metrics.step_tokens
         self._preemptions_seen = 0
@@ -144,12 +148,14 @@ class WorkerLoop:
         ahead = self.core.waiting_ahead_of(req)
         oldest = min((r.arrival_time for r in ahead if r.first_scheduled_time is None), default=now)
         slots = min(self.core.seq_limit, self.core.config.max_num_seqs)
-        wait = start_wait_s([self._queued(r) for r in self.core.running], [self._queued(r) for r in ahead],
-                            slots, self.pool.num_pages, self._queued(req).pages, self.throughput)
+        lengths = self.output_lengths  # outputs that may end on their own: as long as recent ones ran
+        running, waiting = [self._queued(r, lengths) for r in self.core.running], [self._queued(r, lengths) for r in ahead]
+        wait = start_wait_s(running, waiting, slots, self.pool.num_pages, self._queued(req).pages, self.throughput)
         return max(wait, now - oldest)
 
-    def _queued(self, r: Request) -> Queued:
-        return Queued.of(r, max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0)), self.pool.page_size)
+    def _queued(self, r: Request, lengths: OutputLengths | None = None) -> Queued:
+        return Queued.of(r, max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0)), self.pool.page_size,
+                         lengths)
 
     def estimated_tokens(self, r: Request) -> int:
         """Tokens still to compute (prompt not yet computed nor expected from the cache) or to generate."""
@@ -329,7 +335,9 @@ class WorkerLoop:
                     continue
                 step_result = wire.result_from_proto(result)
                 self._note_tier(step_result)
-                self._dispatch(with_logprobs(self.core.update(plan, step_result), step_result))
+                events = self.core.update(plan, step_result)
+                self._note_finishes(events)
+                self._dispatch(with_logprobs(events, step_result))
                 for seq_id, why in step_result.failed.items():
                     self._fail([seq_id], f"worker {self.worker_id} failed the request" + (f": {why}" if why else ""))
                 self.publisher.after_step()
@@ -357,6 +365,12 @@ class WorkerLoop:
             self._fail(list(self.core.requests), message)
             self.publisher.close()
             await shipper
+
+    def _note_finishes(self, events: list[TokenEvent]) -> None:
+        """Output lengths of the requests that ended on their own or at max_new_tokens, for the estimate."""
+        for e in events:
+            if e.finish_reason in ENDED and not e.request.stopping.ignore_eos:
+                self.output_lengths.record(len(e.request.output_token_ids))
 
     def _note_tier(self, result: StepResult) -> None:
         """The worker's tier changes, into our view of it and the page events kvcache gets."""
