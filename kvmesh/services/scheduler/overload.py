@@ -4,16 +4,17 @@ Submit with a retry hint, instead of waiting in the queue and failing late.
 A worker's wait for a new request is estimated the way its scheduler will serve the queue
 (`start_wait_s`): every waiting request is admitted, in order, as soon as a batch slot and the
 KV pages of its known tokens are free (admission's own rule); a running request frees both when
-its output is done (one token per step). So the wait is the prefill still to compute ahead of the newcomer, at the
-prefill rate the worker measured, plus the decode steps until its turn for a slot and pages, at
-the step time the worker measured for its batch size. A burst that fits the free slots waits for
-prefill only; outputs delay only those that must wait for someone to finish. The longest a
-waiting request has waited so far is the floor of the estimate (the queue's own sojourn time
-catches a machine that slowed down after it was measured). A request is admitted while the
-estimate is within ADMISSION_HEADROOM of the queue-wait limit, so that a dip in throughput to a
-third still lets the admitted requests start in time; a request that waits past the limit all
-the same is refused then, never started, with the same hint (RESOURCE_EXHAUSTED, not an ERROR
-finish).
+its output is done (one token per step; a request that may end on its own is expected to run as
+long as recent ones did, `OutputLengths`). So the wait is the prefill still to compute ahead of
+the newcomer, at the prefill rate the worker measured, plus the decode steps until its turn for
+a slot and pages, at the step time the worker measured for its batch size. A burst that fits the
+free slots waits for prefill only; outputs delay only those that must wait for someone to
+finish. The longest a request ahead of it has waited so far is the floor of the estimate (the
+queue's own sojourn time catches a machine that slowed down after it was measured). A request is
+admitted while the estimate is within ADMISSION_HEADROOM of the queue-wait limit, so that a dip
+in throughput to a third still lets the admitted requests start in time; a request that waits
+past the limit all the same is refused then, never started, with the same hint
+(RESOURCE_EXHAUSTED, not an ERROR finish).
 """
 
 from __future__ import annotations
@@ -61,12 +62,17 @@ class Throughput:
         return _rate(self._prefill) or self.tokens_per_s
 
     def decode_step_s(self, batch: int) -> float | None:
-        """Seconds of a decode step of `batch` sequences: a line (fixed cost plus a cost per
-        sequence) fitted to the recent decode steps, or their mean time when their batch sizes
-        do not tell a slope; from the overall rate before any decode step was measured."""
+        """Seconds of a decode step of `batch` sequences (`decode_line`)."""
+        line = self.decode_line()
+        return None if line is None else line[0] + line[1] * batch
+
+    def decode_line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per sequence) of a decode step: a line fitted to the recent
+        decode steps, or their mean time when their batch sizes do not tell a slope; from the
+        overall rate before any decode step was measured (None before any step)."""
         if not self._decode:
             rate = self.tokens_per_s
-            return batch / rate if rate else None
+            return (0.0, 1 / rate) if rate else None
         sizes, times = [b for b, _ in self._decode], [s for _, s in self._decode]
         mb, ms = _mean(sizes), _mean(times)
         spread = sum((b - mb) ** 2 for b in sizes)
@@ -74,8 +80,8 @@ class Throughput:
             slope = sum((b - mb) * (s - ms) for b, s in self._decode) / spread
             fixed = ms - slope * mb
             if slope > 0 and fixed >= 0:
-                return fixed + slope * batch
-        return ms
+                return fixed, slope
+        return ms, 0.0
 
 
 def _rate(steps) -> float | None:
@@ -170,7 +176,8 @@ def start_wait_s(running: list[Queued], waiting: list[Queued], slots: int, pages
     if prefill_rate is None:
         return 0.0
     prefill = sum(r.prefill for r in running) + sum(r.prefill for r in waiting)
-    decode_s = decode_wait_s(running, waiting, slots, pages, newcomer_pages, lambda b: throughput.decode_step_s(b) or 0.0)
+    fixed, per_sequence = throughput.decode_line() or (0.0, 0.0)  # fitted once, used at every step below
+    decode_s = decode_wait_s(running, waiting, slots, pages, newcomer_pages, lambda b: fixed + per_sequence * b)
     return prefill / prefill_rate + decode_s
 
 
