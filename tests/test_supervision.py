@@ -228,3 +228,20 @@ def test_a_service_that_keeps_failing_at_start_stops_the_supervisor_with_its_las
     assert "| kvcache: error: cannot open the prefix store" in fatal
     assert f"log: {tmp_path / 'kvcache.log'}" in fatal
     assert sum("kvcache restarted" in e for e in supervisor.events) == MAX_FAILED_STARTS
+
+
+def test_a_port_reserved_for_the_router_is_never_handed_to_another_service(monkeypatch):
+    """`kvmesh up --http-port P` starts the router last; before the fix free_port could draw P
+    for kvcache, which then answered the user's HTTP calls with gRPC frames."""
+    from kvmesh.services import children
+
+    def unused_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    reserved, other = unused_port(), unused_port()
+    draws = iter([reserved, reserved, other])
+    monkeypatch.setattr(children, "_draw", type("Draw", (), {"randrange": lambda self, a, b: next(draws)})())
+    children.reserve_ports(reserved, None, 0)
+    assert children.free_port() == other

@@ -36,6 +36,12 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
+def reserve_ports(*ports: int | None) -> None:
+    """Ports a service will bind later that free_port must not hand out meanwhile (the router's
+    --port and --http-port, bound after every other service has started)."""
+    _handed_out.update(p for p in ports if p and p > 0)
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 that is free now, for a child to bind a moment later. It is drawn below
     the kernel's range for outgoing connections where there is room: a connection any process

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.services.children import (Child, ServiceFailed, free_port, redis_child, serve_command, service_child,
-                                      wait_ready, worker_child)
+from kvmesh.services.children import (Child, ServiceFailed, free_port, redis_child, reserve_ports, serve_command,
+                                      service_child, wait_ready, worker_child)
 
 if TYPE_CHECKING:
     from kvmesh.services.tls import MeshCertificates
@@ -155,6 +155,7 @@ def launch(model: "str | None | Pools", workers: int, redis_url: str | None, por
     children: list[Child] = []
     redis = None
     check_router_ports(port, http_port)
+    reserve_ports(port, http_port)  # else a service started before the router could be given one
     try:
         if redis_url is None:
             redis = redis_child(free_port(), log_dir)
