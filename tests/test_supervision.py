@@ -242,6 +242,7 @@ def test_a_port_reserved_for_the_router_is_never_handed_to_another_service(monke
 
     reserved, other = unused_port(), unused_port()
     draws = iter([reserved, reserved, other])
+    monkeypatch.setattr(children, "_ephemeral_low", lambda: 32768)  # ports are drawn, not left to the OS
     monkeypatch.setattr(children, "_draw", type("Draw", (), {"randrange": lambda self, a, b: next(draws)})())
     children.reserve_ports(reserved, None, 0)
     assert children.free_port() == other
