@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import socket
+import subprocess
 import time
 
 import grpc
@@ -128,6 +129,17 @@ async def wait_idle(addr, timeout=10, identity=None, workers=0):
         if (len(workers) >= at_least and all(w.used_pages == 0 for w in workers)) or time.monotonic() > deadline:
             return workers
         await asyncio.sleep(0.1)
+
+
+def stop_process(process) -> None:
+    """SIGTERM, then SIGKILL 10 s later if it is still running (as `kvmesh up` stops its services):
+    a test's teardown must not fail on a loaded machine because a process it started is slow to exit."""
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def start_redis(port: int, folder: str, *extra: str):

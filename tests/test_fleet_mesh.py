@@ -21,7 +21,7 @@ from kvmesh.services.supervisor import Supervisor
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh, collect, streams_through, wait_idle
+from local_mesh import Mesh, collect, stop_process, streams_through, wait_idle
 from reference import assert_matches_reference, hf_greedy
 
 
@@ -73,11 +73,7 @@ class ExtraWorker:
         wait_serving(f"127.0.0.1:{self.port}", 120, self.process)
 
     def close(self):
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_process(self.process)
         self.log.close()
 
 
@@ -143,8 +139,7 @@ def test_the_canary_split_is_the_same_in_two_router_processes(one_worker_mesh, m
         assert {v.version: v.traffic_percent for v in listed[0].versions} == {"v1": 75.0, "v2": 25.0}
         assert (listed[0].rollout.canary_version, listed[0].rollout.canary_percent) == ("v2", 25.0)
     finally:
-        router2.terminate()
-        router2.wait(timeout=10)
+        stop_process(router2)
         canary.close()
 
 

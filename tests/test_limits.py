@@ -16,7 +16,7 @@ from kvmesh.services.launcher import free_port, serve_command, wait_serving
 from kvmesh.services.router.limits import KeyBook, KeyLimiter, KeyLimits, LimitExceeded, TokenBucket, parse_keys
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
-from local_mesh import Mesh
+from local_mesh import Mesh, stop_process
 
 # ---- the cores ---------------------------------------------------------------------------------
 
@@ -214,8 +214,7 @@ def two_routers(model_dir, keys_file):
         wait_serving(f"127.0.0.1:{port}", 60, second)
         yield mesh, [(mesh.addr, mesh.child("router").http), (f"127.0.0.1:{port}", f"127.0.0.1:{http}")]
     finally:
-        second.terminate()
-        second.wait(timeout=10)
+        stop_process(second)
         mesh.close()
 
 
