@@ -96,11 +96,11 @@ SERVICES = ("router", "scheduler", "kvcache", "worker")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
     import importlib
     import logging
 
     from kvmesh.services import config as c
+    from kvmesh.services.grpc_server import run_service
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cls = c.SERVICE_CONFIGS[args.service]
@@ -115,7 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     module = importlib.import_module(f"kvmesh.services.{args.service}.server")
     try:
-        asyncio.run(module.serve(common, cfg))
+        run_service(module.serve(common, cfg))
     except c.UnusableSetting as e:  # a setting this machine cannot honour (a CUDA device it lacks, a memory budget)
         print(f"kvmesh serve {args.service}: error: {e}", file=sys.stderr)
         return 2

@@ -246,3 +246,42 @@ def test_a_port_reserved_for_the_router_is_never_handed_to_another_service(monke
     monkeypatch.setattr(children, "_draw", type("Draw", (), {"randrange": lambda self, a, b: next(draws)})())
     children.reserve_ports(reserved, None, 0)
     assert children.free_port() == other
+
+
+SERVICE_WITH_A_LEFTOVER_TASK = """
+import asyncio, logging, sys
+from kvmesh.services.grpc_server import run_service
+
+async def leftover():
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if sys.argv[1] == "stuck":
+                continue  # the defect: the task goes on after its cancellation
+            raise
+
+async def serve():
+    asyncio.create_task(leftover(), name="leftover")
+    await asyncio.to_thread(sum, range(10))  # the default executor has a thread to end as well
+    print("stopped", flush=True)
+
+logging.basicConfig()
+run_service(serve(), settle_s=1)
+print("ended", flush=True)
+"""
+
+
+@pytest.mark.parametrize("task", ["ends", "stuck"])
+def test_a_stopped_service_exits_whatever_its_leftover_tasks_do(task):
+    """asyncio.run waits without limit for the tasks still running when a service's serve() returned:
+    one that does not end when cancelled kept a router alive after SIGTERM. A service's process ends
+    either way; a stuck task is named, with where it was, and the exit status says it (1)."""
+    out = subprocess.run([sys.executable, "-c", SERVICE_WITH_A_LEFTOVER_TASK, task], capture_output=True,
+                         text=True, timeout=FAIL_S)
+    if task == "ends":
+        assert (out.returncode, out.stdout, out.stderr) == (0, "stopped\nended\n", "")
+    else:
+        assert (out.returncode, out.stdout) == (1, "stopped\n")
+        assert "stopping: task leftover did not end within 1 s of its cancellation" in out.stderr
+        assert ", in leftover" in out.stderr  # its stack

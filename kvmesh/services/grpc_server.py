@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import inspect
+import io
+import logging
 import os
 import signal
 import socket
 from contextlib import aclosing
-from typing import Callable
+from typing import Callable, Coroutine
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -24,6 +26,9 @@ from kvmesh.telemetry import shutdown_tracing
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+SETTLE_S = 10.0  # how long a stopped service's leftover tasks and threads get to end
+
+log = logging.getLogger(__name__)
 
 
 def _register_reflection_v1() -> None:
@@ -170,6 +175,45 @@ def _checked_stream(behavior):
     async def call(requests, context):
         return await behavior(checked(requests, context), context)
     return call
+
+
+def run_service(main: Coroutine, settle_s: float = SETTLE_S):
+    """Runs a service's `serve` coroutine as asyncio.run does, except that its end is bounded.
+    asyncio.run cancels the tasks still running once `main` returned and waits for them, and for
+    the default executor's threads, without limit: one task that does not end when cancelled keeps
+    a stopped service alive for good. Here they get `settle_s` (each); what outlasts it is logged
+    (each task with its stack) and the process exits at once with status 1."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in left:
+            task.cancel()
+        stuck = loop.run_until_complete(asyncio.wait(left, timeout=settle_s))[1] if left else set()
+        for task in stuck:
+            stack = io.StringIO()
+            task.print_stack(file=stack)
+            log.error("stopping: task %s did not end within %.0f s of its cancellation:\n%s",
+                      task.get_name(), settle_s, stack.getvalue())
+        ended = not stuck and all(_ended_in_time(loop, step(), settle_s, what) for step, what in (
+            (loop.shutdown_asyncgens, "closing async generators"),
+            (loop.shutdown_default_executor, "threads of the default executor")))
+        if not ended:
+            logging.shutdown()
+            os._exit(1)  # what is stuck would hang the interpreter's exit as well (it joins those threads)
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def _ended_in_time(loop, awaitable, timeout: float, what: str) -> bool:
+    try:
+        loop.run_until_complete(asyncio.wait_for(awaitable, timeout))
+        return True
+    except TimeoutError:
+        log.error("stopping: %s still ran %.0f s later", what, timeout)
+        return False
 
 
 async def wait_for_termination(stop: Callable[[], "asyncio.Future | None"]) -> None:
