@@ -120,3 +120,58 @@ def test_the_registry_writes_itself_back_when_redis_comes_back_empty(redis_serve
             await registry.close()
 
     asyncio.run(run())
+
+
+def test_a_burst_of_resumable_requests_writes_each_holder_key_once_then_renews_them_all(redis_server, monkeypatch):
+    """The scheduler's holder keys (`kvmesh:request:<id>` -> its address, what a router reads to
+    attach a resumed stream): each new request's key is written as it arrives, alone, and every
+    key is renewed each HOLD_TTL_S / 3. Before, each arrival rewrote every held key, so a burst of
+    n submits made n^2 / 2 Redis writes (640 at once stalled the scheduler for seconds)."""
+    import types
+
+    from kvmesh.services.config import SchedulerServiceConfig
+    from kvmesh.services.registry import request_holder_key
+    from kvmesh.services.scheduler import server
+
+    n = 60
+    renewal_s = 3600.0  # first no renewal at all: only the burst's writes are counted
+
+    async def run():
+        registry = Registry(f"redis://{redis_server.address}/0")
+        service = server.SchedulerService(SchedulerServiceConfig(), registry, metrics=types.SimpleNamespace())
+        written = []
+        write = registry.hold_requests
+
+        async def counted(ids, address, ttl_s):
+            written.extend(ids)
+            await write(ids, address, ttl_s)
+
+        monkeypatch.setattr(registry, "hold_requests", counted)
+        monkeypatch.setattr(server, "HOLD_TTL_S", 3 * renewal_s)
+        holder = asyncio.create_task(service.hold_requests("scheduler-a:1"))
+        try:
+            for i in range(n):  # as Submit does: hold it, wake the writer, wait for its key before streaming
+                held = server.HeldRequest(types.SimpleNamespace(request_id=f"r{i}"), asyncio.Queue(), [], None,
+                                          resumable=True, resumes=0)
+                service.held[f"r{i}"] = held
+                service._hold_now.set()
+                await asyncio.wait_for(held.announced.wait(), 30)
+            assert sorted(written) == sorted(f"r{i}" for i in range(n))  # each once
+            assert [await registry.redis.get(request_holder_key(f"r{i}")) for i in range(n)] == ["scheduler-a:1"] * n
+            # Renewal: a writer with a short period writes every held key again and again, in one batch each time.
+            holder.cancel()
+            await asyncio.gather(holder, return_exceptions=True)
+            monkeypatch.setattr(server, "HOLD_TTL_S", 0.3)
+            holder = asyncio.create_task(service.hold_requests("scheduler-a:1"))
+            for _ in range(2):  # its first round, then a renewal
+                written.clear()
+                deadline = time.monotonic() + 30
+                while sorted(set(written)) != sorted(f"r{i}" for i in range(n)):
+                    assert time.monotonic() < deadline, "held keys were not renewed"
+                    await asyncio.sleep(0.01)
+        finally:
+            holder.cancel()
+            await asyncio.gather(holder, return_exceptions=True)
+            await registry.close()
+
+    asyncio.run(run())

@@ -35,3 +35,46 @@ def test_unknown_policy_is_an_error_naming_the_setting():
         assert "worker_choice" in str(e)
     else:
         raise AssertionError("accepted an unknown policy")
+
+
+def test_a_workers_queued_tokens_follow_submits_steps_and_cancels_without_summing_per_submit(monkeypatch):
+    """Placement weighs each worker's queued tokens; they are summed once per step (or removal)
+    and kept up by each submit in between: a burst of n submits costs O(n) estimates, not O(n^2)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvmesh.metrics import SchedulerMetrics
+    from kvmesh.params import SamplingParams, StoppingParams
+    from kvmesh.services.config import SchedulerServiceConfig
+    from kvmesh.services.scheduler.request import Request
+    from kvmesh.services.scheduler.worker_loop import WorkerLoop
+    from kvmesh.step import SampledToken, StepResult
+    from kvmesh.v1 import worker_pb2
+
+    loop = WorkerLoop({"id": "w", "address": "w:1"}, worker_pb2.WorkerInfo(num_pages=4096, page_size=16, max_context=4096),
+                      SchedulerServiceConfig(), None, SchedulerMetrics(CollectorRegistry()))
+    estimates = 0
+    estimate = loop.estimated_tokens
+
+    def counted(r):
+        nonlocal estimates
+        estimates += 1
+        return estimate(r)
+
+    monkeypatch.setattr(loop, "estimated_tokens", counted)
+    full = lambda: sum(estimate(r) for r in loop.core.requests.values())  # noqa: E731
+    for i in range(200):
+        req = Request(f"r{i}", [5] * (20 + i), SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=10 + i))
+        loop.submit(req, [], 0)
+        assert loop.queued_tokens() == full()
+    assert estimates <= 2 * 200  # one per submit (and one first sum), where summing each time took 200 * 201 / 2
+    before = loop.queued_tokens()
+    for _ in range(3):  # steps: tokens computed and generated leave the queue
+        plan = loop.core.schedule()
+        loop.core.update(plan, StepResult([SampledToken(c.seq_id, 7, 0.0) for c in plan.scheduled
+                                           if loop.core.requests[c.seq_id].num_computed_tokens + c.num_tokens
+                                           >= loop.core.requests[c.seq_id].num_tokens]))
+        loop._account(0.0, 0.0, 0.0, 0.0)
+        assert loop.queued_tokens() == full()
+    assert loop.queued_tokens() < before
+    loop.done("r3", [], finished=False)  # a cancel
+    assert "r3" not in loop.core.requests and loop.queued_tokens() == full()

@@ -224,7 +224,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT,
                                   f"request_id {req.request_id!r} is already in use")
             self._release(earlier)  # finished, kept for a client that might resume it: the id is free again
-        expected_pages = worker.view(hashes).prefix_pages
+        expected_pages = worker.prefix_pages(hashes)
         if fetch is not None:
             expected_pages = max(expected_pages, fetch.first_page + len(fetch.hashes))
         try:
@@ -368,11 +368,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         owner.done(rid, held.hashes, held.finish is not None)
 
     async def hold_requests(self, address: str) -> None:
-        """Keeps `kvmesh:request:<id>` -> this scheduler for every resumable request held here
-        (written at once for a new one, renewed every second), so a router can find it to attach."""
+        """Keeps `kvmesh:request:<id>` -> this scheduler for every resumable request held here, so a
+        router can find it to attach: a new one's key is written at once, and all of them are
+        renewed every HOLD_TTL_S / 3. A wake-up for new requests writes theirs alone (a burst of n
+        submits is n writes, not n^2 / 2)."""
+        renew_at = 0.0
         while True:
             self._hold_now.clear()  # before the snapshot: a request added during the write is written next
-            batch = [held for held in self.held.values() if held.resumable]
+            renew = time.monotonic() >= renew_at
+            if renew:
+                renew_at = time.monotonic() + HOLD_TTL_S / 3
+            batch = [held for held in self.held.values() if held.resumable and (renew or not held.announced.is_set())]
             if batch:
                 try:
                     await self.registry.hold_requests([h.req.request_id for h in batch], address, HOLD_TTL_S)
@@ -381,7 +387,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 except Exception as e:  # Redis down: held requests run on; a resume finds them once it is back
                     log.warning("holder keys: %s", e)
             try:
-                await asyncio.wait_for(self._hold_now.wait(), HOLD_TTL_S / 3)
+                await asyncio.wait_for(self._hold_now.wait(), max(0.0, renew_at - time.monotonic()))
             except TimeoutError:
                 pass
 
@@ -429,7 +435,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     raise ValueError("a health check belongs to its worker")
                 if target is None:
                     raise ValueError(f"no other worker of version {loop.version!r} is ready")
-                target.submit(req, hashes, target.view(hashes).prefix_pages, queue=queue)
+                target.submit(req, hashes, target.prefix_pages(hashes), queue=queue)
                 self.owner[req.request_id] = target
                 moved += 1
             except (InvalidRequest, ValueError) as e:

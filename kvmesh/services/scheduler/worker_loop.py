@@ -129,15 +129,27 @@ class WorkerLoop:
         self.metrics = metrics.worker(self.worker_id)
         self._step_hist, self._batch_hist, self._tokens_hist = self.metrics.step, self.metrics.batch_size, self.metrics.step_tokens
         self._preemptions_seen = 0
+        self._load, self._load_epoch, self._load_summed_at = 0, 0, -1  # queued_tokens' running sum
 
     def view(self, hashes: list[bytes]) -> WorkerView:
-        """What placement needs to know about this worker for a prompt with these page hashes (a
-        prefix in its tier counts as held: reading it back costs little)."""
-        local = self.local_prefix_pages(hashes)
-        held = local + self.tier_run(hashes, local)
-        remaining = sum(self.estimated_tokens(r) for r in self.core.requests.values())
+        """What placement needs to know about this worker for a prompt with these page hashes."""
         stats = self.pool.stats()
-        return WorkerView(self.worker_id, held, remaining / self.pool.page_size, stats.used + stats.cached)
+        return WorkerView(self.worker_id, self.prefix_pages(hashes), self.queued_tokens() / self.pool.page_size,
+                          stats.used + stats.cached)
+
+    def prefix_pages(self, hashes: list[bytes]) -> int:
+        """Leading pages of the prompt this worker holds, will hold (a queued prompt's) or has in its
+        tier (reading them back costs little)."""
+        local = self.local_prefix_pages(hashes)
+        return local + self.tier_run(hashes, local)
+
+    def queued_tokens(self) -> int:
+        """`estimated_tokens` summed over its requests: summed again after a step or a removal, and
+        kept up by each submit in between, so a burst of n submits costs O(n), not O(n^2)."""
+        if self._load_epoch != self._load_summed_at:
+            self._load = sum(self.estimated_tokens(r) for r in self.core.requests.values())
+            self._load_summed_at = self._load_epoch
+        return self._load
 
     def estimated_wait_s(self, req: Request) -> float:
         """Seconds until `req`, queued now, would start (overload.start_wait_s over this worker's
@@ -197,6 +209,8 @@ class WorkerLoop:
         if req.traceparent:
             self.pool.traceparents[req.request_id] = req.traceparent
         self.expected_hits[req.request_id] = expected_hit_pages * self.pool.page_size
+        if req.request_id in self.core.requests and self._load_summed_at == self._load_epoch:
+            self._load += self.estimated_tokens(req)
         queue = queue or asyncio.Queue()
         self.streams[req.request_id] = queue
         self.queued_hashes.update(hashes)
@@ -210,6 +224,7 @@ class WorkerLoop:
         self.expected_hits.pop(request_id, None)
         self.queued_hashes.subtract(hashes)
         self.queued_hashes += Counter()  # drop zero counts
+        self._load_epoch += 1
         if not finished:
             self.core.abort(request_id)  # its kvmesh.kv.release span takes the trace context popped below
             self.wake.set()
@@ -260,6 +275,7 @@ class WorkerLoop:
                     self.core.add(req)
                 except ValueError as e:
                     self._fail_unqueued(req, str(e))
+                self._load_epoch += 1
                 self.wake.set()
 
     def _fail_unqueued(self, req: Request, message: str) -> None:
@@ -278,6 +294,7 @@ class WorkerLoop:
             if queue is not None:
                 moved.append((req, queue))
         self.fetching.clear()
+        self._load_epoch += 1
         for req in self.core.take_all():
             queue = self.streams.pop(req.request_id, None)
             self.expected_hits.pop(req.request_id, None)
@@ -383,6 +400,7 @@ class WorkerLoop:
             changes.append((True, h))
 
     def _account(self, t0: float, t1: float, t2: float, forward_s: float) -> None:
+        self._load_epoch += 1  # its tokens moved on, requests ended
         t = self.timing
         t["steps"] += 1
         t["schedule_s"] += t1 - t0
@@ -424,7 +442,9 @@ class WorkerLoop:
 
     def dispatch_expired(self, max_wait_s: float) -> None:
         """Refuses the requests that waited past `max_wait_s` without starting (their streams end RESOURCE_EXHAUSTED)."""
-        self._dispatch(self.core.expire_waiting(max_wait_s))
+        if expired := self.core.expire_waiting(max_wait_s):
+            self._load_epoch += 1
+            self._dispatch(expired)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:
@@ -433,6 +453,7 @@ class WorkerLoop:
                 queue.put_nowait(event)
 
     def _fail(self, request_ids: list[str], message: str) -> None:
+        self._load_epoch += 1
         for request_id in request_ids:
             event = self.core.abort(request_id, FinishReason.ERROR)
             queue = self.streams.get(request_id)
