@@ -259,6 +259,8 @@ async def leftover():
         except asyncio.CancelledError:
             if sys.argv[1] == "stuck":
                 continue  # the defect: the task goes on after its cancellation
+            if sys.argv[1] == "fails":
+                raise ValueError("failed while stopping")
             raise
 
 async def serve():
@@ -272,15 +274,19 @@ print("ended", flush=True)
 """
 
 
-@pytest.mark.parametrize("task", ["ends", "stuck"])
+@pytest.mark.parametrize("task", ["ends", "fails", "stuck"])
 def test_a_stopped_service_exits_whatever_its_leftover_tasks_do(task):
     """asyncio.run waits without limit for the tasks still running when a service's serve() returned:
     one that does not end when cancelled kept a router alive after SIGTERM. A service's process ends
-    either way; a stuck task is named, with where it was, and the exit status says it (1)."""
+    either way; a stuck task is named, with where it was, and the exit status says it (1); a task
+    that fails as it ends is reported, as asyncio.run reports it."""
     out = subprocess.run([sys.executable, "-c", SERVICE_WITH_A_LEFTOVER_TASK, task], capture_output=True,
                          text=True, timeout=FAIL_S)
     if task == "ends":
         assert (out.returncode, out.stdout, out.stderr) == (0, "stopped\nended\n", "")
+    elif task == "fails":
+        assert (out.returncode, out.stdout) == (0, "stopped\nended\n")
+        assert "unhandled exception while stopping" in out.stderr and "ValueError: failed while stopping" in out.stderr
     else:
         assert (out.returncode, out.stdout) == (1, "stopped\n")
         assert "stopping: task leftover did not end within 1 s of its cancellation" in out.stderr

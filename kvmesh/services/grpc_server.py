@@ -191,16 +191,20 @@ def run_service(main: Coroutine, settle_s: float = SETTLE_S):
         left = [t for t in asyncio.all_tasks(loop) if not t.done()]
         for task in left:
             task.cancel()
-        stuck = loop.run_until_complete(asyncio.wait(left, timeout=settle_s))[1] if left else set()
+        ended, stuck = loop.run_until_complete(asyncio.wait(left, timeout=settle_s)) if left else (set(), set())
+        for task in ended:  # as asyncio.run reports them
+            if not task.cancelled() and task.exception() is not None:
+                loop.call_exception_handler({"message": "unhandled exception while stopping", "exception": task.exception(),
+                                             "task": task})
         for task in stuck:
             stack = io.StringIO()
             task.print_stack(file=stack)
             log.error("stopping: task %s did not end within %.0f s of its cancellation:\n%s",
                       task.get_name(), settle_s, stack.getvalue())
-        ended = not stuck and all(_ended_in_time(loop, step(), settle_s, what) for step, what in (
+        settled = not stuck and all(_ended_in_time(loop, step(), settle_s, what) for step, what in (
             (loop.shutdown_asyncgens, "closing async generators"),
             (loop.shutdown_default_executor, "threads of the default executor")))
-        if not ended:
+        if not settled:
             logging.shutdown()
             os._exit(1)  # what is stuck would hang the interpreter's exit as well (it joins those threads)
         asyncio.set_event_loop(None)
