@@ -1,5 +1,7 @@
 """KV-aware worker choice: prefix overlap against load, the balance guard, and ties."""
 
+import asyncio
+
 from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker
 
 CFG = PlacementConfig()
@@ -37,21 +39,27 @@ def test_unknown_policy_is_an_error_naming_the_setting():
         raise AssertionError("accepted an unknown policy")
 
 
-def test_a_workers_queued_tokens_follow_submits_steps_and_cancels_without_summing_per_submit(monkeypatch):
-    """Placement weighs each worker's queued tokens; they are summed once per step (or removal)
-    and kept up by each submit in between: a burst of n submits costs O(n) estimates, not O(n^2)."""
+def worker_loop():
+    """A scheduler's loop for one worker (4,096 pages of 16 tokens), not connected to any."""
     from prometheus_client import CollectorRegistry
 
     from kvmesh.metrics import SchedulerMetrics
-    from kvmesh.params import SamplingParams, StoppingParams
     from kvmesh.services.config import SchedulerServiceConfig
-    from kvmesh.services.scheduler.request import Request
     from kvmesh.services.scheduler.worker_loop import WorkerLoop
-    from kvmesh.step import SampledToken, StepResult
     from kvmesh.v1 import worker_pb2
 
-    loop = WorkerLoop({"id": "w", "address": "w:1"}, worker_pb2.WorkerInfo(num_pages=4096, page_size=16, max_context=4096),
+    return WorkerLoop({"id": "w", "address": "w:1"}, worker_pb2.WorkerInfo(num_pages=4096, page_size=16, max_context=4096),
                       SchedulerServiceConfig(), None, SchedulerMetrics(CollectorRegistry()))
+
+
+def test_a_workers_queued_tokens_follow_submits_steps_and_cancels_without_summing_per_submit(monkeypatch):
+    """Placement weighs each worker's queued tokens; they are summed once per step (or removal)
+    and kept up by each submit in between: a burst of n submits costs O(n) estimates, not O(n^2)."""
+    from kvmesh.params import SamplingParams, StoppingParams
+    from kvmesh.services.scheduler.request import Request
+    from kvmesh.step import SampledToken, StepResult
+
+    loop = worker_loop()
     estimates = 0
     estimate = loop.estimated_tokens
 
@@ -78,3 +86,64 @@ def test_a_workers_queued_tokens_follow_submits_steps_and_cancels_without_summin
     assert loop.queued_tokens() < before
     loop.done("r3", [], finished=False)  # a cancel
     assert "r3" not in loop.core.requests and loop.queued_tokens() == full()
+
+
+def test_a_queued_prompts_pages_count_as_held_until_its_last_request_using_them_ends():
+    """Placement counts the pages of prompts queued on a worker as held (they will be computed
+    there); two requests sharing a prefix keep it until both have ended."""
+    from kvmesh.params import SamplingParams, StoppingParams
+    from kvmesh.services.scheduler.request import Request
+
+    loop = worker_loop()
+    shared, a, b = [b"p0", b"p1"], [b"a2"], [b"b2", b"b3"]
+    for rid, hashes in (("a", shared + a), ("b", shared + b)):
+        loop.submit(Request(rid, [5] * 16 * len(hashes), SamplingParams(), StoppingParams(max_new_tokens=4)), hashes, 0)
+    assert [loop.local_prefix_pages(h) for h in (shared + a, shared + b, [b"x"])] == [3, 4, 0]
+    loop.done("a", shared + a, finished=False)
+    assert [loop.local_prefix_pages(h) for h in (shared + a, shared + b)] == [2, 4]
+    loop.done("b", shared + b, finished=False)
+    assert loop.queued_hashes == {} and loop.local_prefix_pages(shared + b) == 0
+
+
+def test_kvcache_is_asked_for_a_prompts_pages_only_when_a_peer_worker_could_send_them():
+    """A submit whose prompt the worker would compute asks kvcache's index which peer holds it
+    (to fetch instead); with no other worker of the pool and version registered (one worker, the
+    usual `kvmesh up`) nothing could be fetched, and the submit waits on no round trip."""
+    import types
+
+    import grpc
+
+    from kvmesh.services.config import SchedulerServiceConfig
+    from kvmesh.services.scheduler.server import SchedulerService
+    from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
+
+    class Index(kvcache_pb2_grpc.KVCacheServicer):
+        def __init__(self):
+            self.lookups = []
+
+        async def Lookup(self, request, context):
+            self.lookups.append(len(request.hashes))
+            return kvcache_pb2.LookupResponse()
+
+    async def run():
+        index, server = Index(), grpc.aio.server()
+        kvcache_pb2_grpc.add_KVCacheServicer_to_server(index, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                service = SchedulerService(SchedulerServiceConfig(), None, metrics=types.SimpleNamespace())
+                service._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(channel)
+                loop = worker_loop()
+                service.workers = {"w": loop}
+                service.worker_records = {"w": {"id": "w", "address": "w:1", "epoch": 1, "version": "v1"}}
+                hashes = [bytes([i]) for i in range(8)]
+                assert await service.plan_fetch(loop, hashes) is None and index.lookups == []
+                service.worker_records["w2"] = {"id": "w2", "address": "w2:1", "epoch": 1, "version": "v2"}
+                assert await service.plan_fetch(loop, hashes) is None and index.lookups == []  # another version's
+                service.worker_records["w3"] = {"id": "w3", "address": "w3:1", "epoch": 1, "version": "v1"}
+                assert await service.plan_fetch(loop, hashes) is None and index.lookups == [8]  # asked; none holds it
+        finally:
+            await server.stop(0)
+
+    asyncio.run(run())

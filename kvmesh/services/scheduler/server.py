@@ -131,7 +131,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if tiered := worker.tier_run(hashes, local):
             best = Fetch("", "tier", local, hashes[local : local + tiered])
         stub = self._kvcache_stub
-        if stub is not None and local + tiered < len(hashes):
+        # Only a peer of the same pool and version can be read from: with none registered (one
+        # worker, the usual `kvmesh up`), kvcache is not asked, and the submit waits on no round trip.
+        peers = any(wid != worker.worker_id and r.get("version", "v1") == worker.version
+                    for wid, r in self.worker_records.items())
+        if stub is not None and peers and local + tiered < len(hashes):
             try:
                 answer = await stub.Lookup(kvcache_pb2.LookupRequest(hashes=hashes), timeout=FETCH_LOOKUP_TIMEOUT_S)
             except grpc.aio.AioRpcError:
