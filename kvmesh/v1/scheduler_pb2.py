@@ -26,19 +26,33 @@ from kvmesh.v1 import generation_pb2 as kvmesh_dot_v1_dot_generation__pb2
 from kvmesh.v1 import worker_pb2 as kvmesh_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/scheduler.proto\x12\tkvmesh.v1\x1a\x1akvmesh/v1/generation.proto\x1a\x16kvmesh/v1/worker.proto\"=\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\"\x91\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12+\n\x08stopping\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.StoppingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x18\n\x10output_token_ids\x18\x32 \x03(\r\x12\x17\n\x0foutput_logprobs\x18\x33 \x03(\x02\x12\x0f\n\x07resumes\x18\x34 \x01(\r\x12\x11\n\tresumable\x18\x35 \x01(\x08\"\x91\x03\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x13\n\x0bpreemptions\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\t\x12\x13\n\x0bworker_lost\x18\x32 \x01(\x08\x12\x0f\n\x07resumes\x18\x33 \x01(\r\x12!\n\x19transferred_prompt_tokens\x18\x34 \x01(\r\x12\x17\n\x0ftransfer_source\x18\x35 \x01(\t\x12\x0f\n\x07top_ids\x18\x14 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x15 \x03(\x02\x12+\n\x06prompt\x18\x16 \x01(\x0b\x32\x1b.kvmesh.v1.LogprobsOfPrompt2\x85\x01\n\tScheduler\x12;\n\x06Submit\x12\x18.kvmesh.v1.SubmitRequest\x1a\x15.kvmesh.v1.TokenEvent0\x01\x12;\n\x06\x41ttach\x12\x18.kvmesh.v1.AttachRequest\x1a\x15.kvmesh.v1.TokenEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/scheduler.proto\x12\tkvmesh.v1\x1a\x1akvmesh/v1/generation.proto\x1a\x16kvmesh/v1/worker.proto\"\xe8\x01\n\x0eSessionRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\r\x12*\n\x06submit\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.SubmitRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x39\n\x08metadata\x18\x05 \x03(\x0b\x32\'.kvmesh.v1.SessionRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06\x61\x63tion\"\xf4\x01\n\x0cSessionEvent\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\r\x12$\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.TokenEvent\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x05 \x01(\t\x12H\n\x11trailing_metadata\x18\x06 \x03(\x0b\x32-.kvmesh.v1.SessionEvent.TrailingMetadataEntry\x1a\x37\n\x15TrailingMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"8\n\rSessionEvents\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.SessionEvent\"=\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\"\x91\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12+\n\x08stopping\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.StoppingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x18\n\x10output_token_ids\x18\x32 \x03(\r\x12\x17\n\x0foutput_logprobs\x18\x33 \x03(\x02\x12\x0f\n\x07resumes\x18\x34 \x01(\r\x12\x11\n\tresumable\x18\x35 \x01(\x08\"\x91\x03\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x13\n\x0bpreemptions\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\t\x12\x13\n\x0bworker_lost\x18\x32 \x01(\x08\x12\x0f\n\x07resumes\x18\x33 \x01(\r\x12!\n\x19transferred_prompt_tokens\x18\x34 \x01(\r\x12\x17\n\x0ftransfer_source\x18\x35 \x01(\t\x12\x0f\n\x07top_ids\x18\x14 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x15 \x03(\x02\x12+\n\x06prompt\x18\x16 \x01(\x0b\x32\x1b.kvmesh.v1.LogprobsOfPrompt2\xc9\x01\n\tScheduler\x12;\n\x06Submit\x12\x18.kvmesh.v1.SubmitRequest\x1a\x15.kvmesh.v1.TokenEvent0\x01\x12;\n\x06\x41ttach\x12\x18.kvmesh.v1.AttachRequest\x1a\x15.kvmesh.v1.TokenEvent0\x01\x12\x42\n\x07Session\x12\x19.kvmesh.v1.SessionRequest\x1a\x18.kvmesh.v1.SessionEvents(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ATTACHREQUEST']._serialized_start=92
-  _globals['_ATTACHREQUEST']._serialized_end=153
-  _globals['_SUBMITREQUEST']._serialized_start=156
-  _globals['_SUBMITREQUEST']._serialized_end=429
-  _globals['_TOKENEVENT']._serialized_start=432
-  _globals['_TOKENEVENT']._serialized_end=833
-  _globals['_SCHEDULER']._serialized_start=836
-  _globals['_SCHEDULER']._serialized_end=969
+  _globals['_SESSIONREQUEST_METADATAENTRY']._loaded_options = None
+  _globals['_SESSIONREQUEST_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_SESSIONEVENT_TRAILINGMETADATAENTRY']._loaded_options = None
+  _globals['_SESSIONEVENT_TRAILINGMETADATAENTRY']._serialized_options = b'8\001'
+  _globals['_SESSIONREQUEST']._serialized_start=93
+  _globals['_SESSIONREQUEST']._serialized_end=325
+  _globals['_SESSIONREQUEST_METADATAENTRY']._serialized_start=268
+  _globals['_SESSIONREQUEST_METADATAENTRY']._serialized_end=315
+  _globals['_SESSIONEVENT']._serialized_start=328
+  _globals['_SESSIONEVENT']._serialized_end=572
+  _globals['_SESSIONEVENT_TRAILINGMETADATAENTRY']._serialized_start=517
+  _globals['_SESSIONEVENT_TRAILINGMETADATAENTRY']._serialized_end=572
+  _globals['_SESSIONEVENTS']._serialized_start=574
+  _globals['_SESSIONEVENTS']._serialized_end=630
+  _globals['_ATTACHREQUEST']._serialized_start=632
+  _globals['_ATTACHREQUEST']._serialized_end=693
+  _globals['_SUBMITREQUEST']._serialized_start=696
+  _globals['_SUBMITREQUEST']._serialized_end=969
+  _globals['_TOKENEVENT']._serialized_start=972
+  _globals['_TOKENEVENT']._serialized_end=1373
+  _globals['_SCHEDULER']._serialized_start=1376
+  _globals['_SCHEDULER']._serialized_end=1577
 # @@protoc_insertion_point(module_scope)

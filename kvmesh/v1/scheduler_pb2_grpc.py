@@ -44,6 +44,11 @@ class SchedulerStub:
                 request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.AttachRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvmesh.v1.Scheduler/Session',
+                request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.SessionEvents.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -68,6 +73,18 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Many Submit calls over one stream: what a router uses. Each SessionRequest opens a call (a
+        SubmitRequest) or cancels one; the scheduler answers with batches of SessionEvent, one batch
+        per step at most, carrying every open call's new TokenEvents: one message per step for all
+        the calls instead of one per token per call. A call behaves as a Submit stream would: its
+        events, then its end with the status Submit would have ended with. The session breaking ends
+        every call on it as a dropped Submit stream would (a resumable request is held for Attach).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +97,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Attach,
                     request_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.AttachRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.SessionRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_scheduler__pb2.SessionEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +158,33 @@ class Scheduler:
             '/kvmesh.v1.Scheduler/Attach',
             kvmesh_dot_v1_dot_scheduler__pb2.AttachRequest.SerializeToString,
             kvmesh_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Scheduler/Session',
+            kvmesh_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
+            kvmesh_dot_v1_dot_scheduler__pb2.SessionEvents.FromString,
             options,
             channel_credentials,
             insecure,

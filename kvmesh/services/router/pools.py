@@ -61,11 +61,11 @@ class Pool:
     model: ModelConfig
     tokenizer: Tokenizer
     aliases: tuple[str, ...] = ()  # other names clients may ask for: the folder as given, --served-model-name
-    schedulers: list = field(default_factory=list)  # SchedulerStub of this pool's live schedulers
+    schedulers: list = field(default_factory=list)  # SchedulerLink of this pool's live schedulers
     versions: dict[str, int] = field(default_factory=dict)  # version -> ready workers
     rollout: RolloutState | None = None
     turn: int = 0  # round-robin over schedulers
-    _by_address: dict = field(default_factory=dict)  # address -> (channel, stub): stubs kept across rounds
+    _by_address: dict = field(default_factory=dict)  # address -> (channel, link): links kept across rounds
     kv_tokens: int | None = None  # tokens the smallest ready worker's KV pool holds (None: not known yet)
     page_size: int = 0  # its workers' KV page size (0: not known yet)
     owners: dict = field(default_factory=dict)  # worker id -> (its scheduler's address, the worker's epoch)
@@ -85,14 +85,19 @@ class Pool:
     def ready(self) -> bool:
         return bool(self.schedulers) and self.ready_workers > 0
 
-    def set_schedulers(self, peers: list[tuple[str, grpc.aio.Channel]], stub_class) -> None:
-        """The pool's live schedulers now: (address, channel) each, in a stable order."""
+    def set_schedulers(self, peers: list[tuple[str, grpc.aio.Channel]], link_class) -> None:
+        """The pool's live schedulers now: (address, channel) each, in a stable order; a
+        `link_class(channel, address)` each (a SchedulerLink). A link left out is closed: the
+        calls on it run to their end."""
         known = {}
         for address, channel in peers:
             previous = self._by_address.get(address)
-            known[address] = previous if previous and previous[0] is channel else (channel, stub_class(channel))
+            known[address] = previous if previous and previous[0] is channel else (channel, link_class(channel, address))
+        for address, (_, link) in self._by_address.items():
+            if known.get(address, (None, None))[1] is not link:
+                link.close()
         self._by_address = known
-        self.schedulers = [stub for _, stub in known.values()]
+        self.schedulers = [link for _, link in known.values()]
 
     def room_after(self, prompt_tokens: int) -> int:
         """Tokens a completion of this prompt can have: the rest of the context, and no more than
@@ -103,7 +108,7 @@ class Pool:
         return room
 
     def scheduler_at(self, address: str):
-        """The stub of the live scheduler at `address`, None when it is not one (or its connection just failed)."""
+        """The link to the live scheduler at `address`, None when it is not one (or its connection just failed)."""
         known = self._by_address.get(address)
         if known is None or known[0].get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
             return None

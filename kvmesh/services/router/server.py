@@ -29,6 +29,7 @@ from kvmesh.services.router.limits import Admission, KeyLimiter, KeyLimits, Limi
 from kvmesh.services.router.output import ChoiceOutput, alternatives, prompt_tokens
 from kvmesh.services.router.pools import Pool, parse_models, served_names
 from kvmesh.services.router.prefix_routing import LOOKUP_TIMEOUT_S, SchedulerChoice
+from kvmesh.services.router.session import SchedulerLink
 from kvmesh.services.scheduler.placement import PlacementConfig
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
 from kvmesh.v1 import generation_pb2 as gen
@@ -141,7 +142,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             # A scheduler without a worker would answer UNAVAILABLE; with no owners known (schedulers
             # of an older release), every registered one.
             pool.set_schedulers([(a, verified[a]) for a in addresses if a in owners] or [(a, verified[a]) for a in addresses],
-                                scheduler_pb2_grpc.SchedulerStub)
+                                SchedulerLink)
             pool.versions = ready_versions(workers, pool.name)
             pool.kv_tokens = kv_tokens(workers, pool.name)
             pool.page_size = next((int(w.get("page_size", 16)) for w in workers if pool_of(w) == pool.name), 0)

@@ -24,6 +24,7 @@ import json
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -43,6 +44,7 @@ from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outco
 from kvmesh.services.scheduler.overload import MIN_RETRY_S, estimated_wait_s, overload_retry_s
 from kvmesh.services.scheduler.placement import PlacementConfig, choose_worker
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
+from kvmesh.services.scheduler.session import serve_session
 from kvmesh.services.scheduler.worker_loop import Fetch, LogprobsTokenEvent, WorkerLoop
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_channel, mesh_identity, mesh_server_credentials
 from kvmesh.v1 import generation_pb2 as gen
@@ -175,6 +177,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             await events.aclose()  # at once: a client that left frees its request now, not at garbage collection
             span.end()
+
+    async def Session(self, requests, context):
+        """Submit calls over one stream, their events batched per step (session.py)."""
+        async with aclosing(serve_session(requests, self.Submit)) as batches:
+            async for batch in batches:
+                yield batch
 
     async def _abort(self, context, span, code: grpc.StatusCode, message: str):
         span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, f"{code.name}: {message}"))

@@ -1,0 +1,172 @@
+"""The router's side of `Scheduler/Session`: Submit calls to one scheduler over one stream.
+
+`SchedulerLink` stands where a `SchedulerStub` would: its `Submit` returns a `SessionCall`, which
+reads as a Submit call does (async iteration of TokenEvents; an `AioRpcError` with the status,
+details and trailing metadata the scheduler ended it with; `cancel()`), so the router's resume and
+error handling are the same for both. The calls of a link share one Session stream, opened on the
+first call and again after it broke; its batches are handed to the calls they are for. A
+scheduler without Session (an older release) answers UNIMPLEMENTED: the link then uses plain
+Submit calls, and the calls that were waiting on the session end UNAVAILABLE, which the router
+resubmits.
+
+When the stream breaks, every call on it ends UNAVAILABLE naming why, as a broken Submit call
+does, and the router resumes them; the scheduler, for its part, treats them as dropped streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import grpc
+
+from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger("kvmesh.router")
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _error(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+class SessionCall:
+    """One Submit call made over a session: reads as a grpc.aio stream call."""
+
+    _END = object()
+
+    def __init__(self, session: "_Session", call_id: int, timeout: float | None):
+        self.session, self.call_id = session, call_id
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.ended = False
+        # The scheduler ends the call at its deadline (it was sent); this ends it here all the same.
+        self._timer = asyncio.get_running_loop().call_later(timeout, self._expired) if timeout else None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> scheduler_pb2.TokenEvent:
+        item = await self.events.get()
+        if item is self._END:
+            self.events.put_nowait(item)
+            raise StopAsyncIteration
+        if isinstance(item, grpc.aio.AioRpcError):
+            self.events.put_nowait(item)
+            raise item
+        return item
+
+    def deliver(self, entry: scheduler_pb2.SessionEvent) -> None:
+        if entry.HasField("event"):
+            self.events.put_nowait(entry.event)
+        if entry.end:
+            code = _CODES.get(entry.code, grpc.StatusCode.UNKNOWN)
+            self._end(None if code == grpc.StatusCode.OK
+                      else _error(code, entry.details, tuple(entry.trailing_metadata.items())))
+
+    def _end(self, error: grpc.aio.AioRpcError | None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self.session.forget(self.call_id)
+        self.events.put_nowait(self._END if error is None else error)
+
+    def _expired(self) -> None:
+        self._end(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def cancel(self) -> bool:
+        """Ends the call (the scheduler cancels it, as a dropped Submit stream); False once it ended."""
+        if self.ended:
+            return False
+        self.session.send(scheduler_pb2.SessionRequest(call_id=self.call_id, cancel=True))
+        self._end(_error(grpc.StatusCode.CANCELLED, "Locally cancelled"))
+        return True
+
+
+class _Session:
+    """One Session stream and the calls open on it."""
+
+    def __init__(self, link: "SchedulerLink"):
+        self.link = link
+        self.calls: dict[int, SessionCall] = {}
+        self.closed = False  # the stream ended
+        self.draining = False  # takes no new calls: the stream is closed once the last one ended
+        self._ids = itertools.count(1)
+        self._outgoing: asyncio.Queue = asyncio.Queue()
+        self._call = link.stub.Session(self._requests())
+        self._reader = asyncio.create_task(self._read())
+
+    def send(self, request: scheduler_pb2.SessionRequest | None) -> None:
+        if not self.closed:
+            self._outgoing.put_nowait(request)
+
+    def submit(self, request: scheduler_pb2.SubmitRequest, timeout: float | None, metadata) -> SessionCall:
+        call = SessionCall(self, next(self._ids), timeout)
+        self.calls[call.call_id] = call
+        self.send(scheduler_pb2.SessionRequest(call_id=call.call_id, submit=request, timeout_s=timeout or 0,
+                                               metadata={k: v for k, v in metadata if isinstance(v, str)}))
+        return call
+
+    def forget(self, call_id: int) -> None:
+        self.calls.pop(call_id, None)
+        if self.draining and not self.calls:
+            self.send(None)  # the scheduler ends the stream
+
+    def close(self) -> None:
+        """No new calls: the stream ends once those open have ended."""
+        self.draining = True
+        self.forget(0)
+
+    async def _requests(self):
+        while (request := await self._outgoing.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
+        why = "the scheduler ended the session"
+        try:
+            async for batch in self._call:
+                for entry in batch.events:
+                    if (call := self.calls.get(entry.call_id)) is not None:
+                        call.deliver(entry)
+        except grpc.aio.AioRpcError as e:
+            why = f"its scheduler session broke ({e.code().name}: {e.details()})"
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.link.legacy = True
+                log.info("scheduler %s has no Session: using a Submit call per request", self.link.address)
+        except asyncio.CancelledError:
+            why = "the router is stopping"
+            raise
+        finally:
+            self.closed = True
+            self._call.cancel()
+            for call in list(self.calls.values()):
+                call._end(_error(grpc.StatusCode.UNAVAILABLE, why))
+
+
+class SchedulerLink:
+    """A router's way to one scheduler, in place of its SchedulerStub: Submit over a shared
+    Session stream (plain Submit calls for a scheduler without one), Attach as a plain call."""
+
+    def __init__(self, channel: grpc.aio.Channel, address: str = ""):
+        self.stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        self.address = address
+        self.legacy = False
+        self._session: _Session | None = None
+
+    def Submit(self, request: scheduler_pb2.SubmitRequest, timeout: float | None = None, metadata=()):
+        if self.legacy:
+            return self.stub.Submit(request, timeout=timeout, metadata=metadata)
+        if self._session is None or self._session.closed or self._session.draining:
+            self._session = _Session(self)
+        return self._session.submit(request, timeout, metadata)
+
+    def Attach(self, request: scheduler_pb2.AttachRequest, **kwargs):
+        return self.stub.Attach(request, **kwargs)
+
+    def close(self) -> None:
+        """The scheduler left the pool: its session ends once the calls still on it have ended."""
+        if self._session is not None:
+            self._session.close()

@@ -1,0 +1,165 @@
+"""`Scheduler/Session`: many Submit calls over one stream, their tokens batched per step.
+
+A Submit stream carries one gRPC message per token, and on a busy mesh those messages, not the
+scheduling, are most of what the scheduler and the router spend per token: each costs both sides
+a trip through grpc's completion queue and poller thread. A router therefore opens one Session
+per scheduler and makes its calls over it. Each call runs the scheduler's own Submit handler,
+unchanged, against a `CallContext` standing in for its gRPC context (deadline, trace metadata,
+abort with a status and trailing metadata), so a call admits, refuses, streams, holds and
+cancels exactly as a Submit call does. What it yields goes to the session's `Outbox`, which
+merges each call's events until the session's writer takes them: the step's tokens of every call
+leave in one message, and a caller that reads slowly gets fewer, fuller messages, not a backlog.
+
+A call ends with an `end` entry carrying the status its Submit call would have ended with. The
+caller cancelling it cancels its handler (a dropped Submit stream: a resumable request is held
+for Attach); the session ending, however it ends, cancels every call still open the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+
+import grpc
+
+from kvmesh.v1 import scheduler_pb2
+
+log = logging.getLogger("kvmesh.scheduler")
+
+# A batch larger than this is split (a caller's receive limit is 4 MiB by default); one call's
+# events beyond it (a long prompt's logprobs) still leave whole, in a message of their own.
+MAX_BATCH_BYTES = 1 << 20
+
+
+class CallAborted(Exception):
+    """A call's handler ended it with a status (what `context.abort` does to a gRPC call)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class CallContext:
+    """What a Submit handler reads of its gRPC context, for a call made over a session."""
+
+    def __init__(self, request: scheduler_pb2.SessionRequest):
+        loop = asyncio.get_running_loop()
+        self._metadata = tuple(request.metadata.items())
+        self.deadline = loop.time() + request.timeout_s if request.timeout_s > 0 else None
+        self.trailing: tuple[tuple[str, str], ...] = ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.trailing = tuple(metadata)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        if trailing_metadata:
+            self.trailing = tuple(trailing_metadata)
+        raise CallAborted(code, details)
+
+
+class Outbox:
+    """The session's events not yet sent: per call, its events since its last entry, merged into one."""
+
+    def __init__(self):
+        self.entries: dict[int, scheduler_pb2.SessionEvent] = {}
+        self.ready = asyncio.Event()
+
+    def _entry(self, call_id: int) -> scheduler_pb2.SessionEvent:
+        entry = self.entries.get(call_id)
+        if entry is None:
+            entry = self.entries[call_id] = scheduler_pb2.SessionEvent(call_id=call_id)
+        self.ready.set()
+        return entry
+
+    def event(self, call_id: int, event: scheduler_pb2.TokenEvent) -> None:
+        # Later events of a stream only add tokens (repeated fields) and, last, its finish (scalars).
+        self._entry(call_id).event.MergeFrom(event)
+
+    def end(self, call_id: int, code: grpc.StatusCode, details: str = "", trailing=()) -> None:
+        entry = self._entry(call_id)
+        entry.end, entry.code, entry.details = True, code.value[0], details
+        entry.trailing_metadata.update({k: v for k, v in trailing if isinstance(v, str)})
+
+    def take(self) -> list[scheduler_pb2.SessionEvents]:
+        """Everything pending, as messages of about MAX_BATCH_BYTES at most."""
+        if not self.entries:
+            self.ready.clear()
+            return []
+        batches = [scheduler_pb2.SessionEvents()]
+        size = 0
+        for entry in self.entries.values():
+            n = entry.ByteSize()
+            if size and size + n > MAX_BATCH_BYTES:
+                batches.append(scheduler_pb2.SessionEvents())
+                size = 0
+            batches[-1].events.append(entry)
+            size += n
+        self.entries.clear()
+        self.ready.clear()
+        return batches
+
+
+async def serve_session(requests, submit):
+    """A Session call's messages: runs each call it opens through `submit` (the Submit handler:
+    request, context -> its TokenEvents) and yields their events in batches. Ends once the caller
+    stopped sending and every call ended; when it ends otherwise, every open call is cancelled."""
+    outbox = Outbox()
+    calls: dict[int, asyncio.Task] = {}
+
+    async def run(call_id: int, request: scheduler_pb2.SessionRequest) -> None:
+        context = CallContext(request)
+        try:
+            async with asyncio.timeout_at(context.deadline):
+                async with aclosing(submit(request.submit, context)) as events:
+                    async for event in events:
+                        outbox.event(call_id, event)
+            outbox.end(call_id, grpc.StatusCode.OK)
+        except CallAborted as e:
+            outbox.end(call_id, e.code, e.details, context.trailing)
+        except TimeoutError:
+            outbox.end(call_id, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except Exception as e:  # a bug: the call fails as grpc fails a handler that raised
+            log.exception("session call %d failed", call_id)
+            outbox.end(call_id, grpc.StatusCode.UNKNOWN, f"Unexpected error in the scheduler: {type(e).__name__}")
+        finally:
+            if calls.get(call_id) is asyncio.current_task():
+                del calls[call_id]
+            outbox.ready.set()
+
+    async def read() -> None:
+        try:
+            async for request in requests:
+                action = request.WhichOneof("action")
+                if action == "submit":
+                    if request.call_id in calls:
+                        outbox.end(request.call_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"call_id: {request.call_id} is already open in this session")
+                        continue
+                    calls[request.call_id] = asyncio.create_task(run(request.call_id, request))
+                elif action == "cancel" and (task := calls.get(request.call_id)) is not None:
+                    task.cancel()  # its handler's cleanup runs as a dropped Submit stream's would
+        finally:
+            outbox.ready.set()
+
+    reader = asyncio.create_task(read())
+    try:
+        while True:
+            await outbox.ready.wait()
+            for batch in outbox.take():
+                yield batch
+            if reader.done():
+                reader.result()  # the caller's stream broke or sent what does not decode: end with that
+                if not calls and not outbox.entries:
+                    return
+    finally:
+        reader.cancel()
+        for task in calls.values():
+            task.cancel()
+        await asyncio.gather(reader, *calls.values(), return_exceptions=True)

@@ -1,0 +1,170 @@
+"""`Scheduler/Session`: a router's Submit calls over one stream, tokens batched per step.
+
+Sent straight to a real scheduler (one worker, loopback gRPC, a real redis-server): calls over
+one session stream exactly what transformers gives, in fewer messages than tokens; each call
+ends with the status its Submit call would have (a bad request, a deadline, a cancel), beside
+calls that go on; a router falls back to Submit calls for a scheduler without Session.
+"""
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvmesh.services.router.session import SchedulerLink
+from kvmesh.tokenizer import Tokenizer
+from kvmesh.v1 import generation_pb2 as gen
+from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from local_mesh import LONG_KV, LONG_REQUEST, Mesh, queue_state, wait_idle
+from reference import assert_matches_reference, hf_greedy
+
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def mesh(long_model_dir):
+    m = Mesh(long_model_dir, workers=1, extra_worker=LONG_KV)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(long_model_dir):
+    tok = Tokenizer.from_dir(long_model_dir)
+    return [tok.encode(f"session call {i} reads the river's long story") for i in range(6)]
+
+
+def submit(prompt_ids, max_new_tokens=TOKENS, request_id=""):
+    return scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                       sampling=gen.SamplingParams(temperature=0.0, seed=1),
+                                       stopping=gen.StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+
+
+class Session:
+    """A raw Session call: send SessionRequests, read its batches."""
+
+    def __init__(self, channel):
+        self.outgoing = asyncio.Queue()
+        self.call = scheduler_pb2_grpc.SchedulerStub(channel).Session(self._requests(), timeout=120)
+        self.messages = 0
+
+    async def _requests(self):
+        while (request := await self.outgoing.get()) is not None:
+            yield request
+
+    def send(self, call_id, **fields):
+        self.outgoing.put_nowait(scheduler_pb2.SessionRequest(call_id=call_id, **fields))
+
+    async def read_until(self, done):
+        """Reads batches into {call_id: [SessionEvent]} until `done(calls)` holds."""
+        calls = {}
+        while not done(calls):
+            batch = await self.call.read()
+            assert batch is not grpc.aio.EOF, "the session ended early"
+            self.messages += 1
+            for entry in batch.events:
+                calls.setdefault(entry.call_id, []).append(entry)
+        return calls
+
+
+def ended(calls, call_id):
+    return any(e.end for e in calls.get(call_id, ()))
+
+
+def tokens_of(entries):
+    return [t for e in entries for t in e.event.token_ids], [lp for e in entries for lp in e.event.logprobs]
+
+
+def test_calls_over_one_session_stream_exactly_in_fewer_messages_than_tokens(mesh, long_model_dir, prompts):
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.child("scheduler").address) as channel:
+            session = Session(channel)
+            for i, prompt in enumerate(prompts, start=1):
+                session.send(i, submit=submit(prompt), timeout_s=120)
+            calls = await session.read_until(lambda c: all(ended(c, i) for i in range(1, len(prompts) + 1)))
+            session.outgoing.put_nowait(None)
+            assert await session.call.read() is grpc.aio.EOF  # every call ended and the caller is done: it ends
+            return calls, session.messages
+
+    calls, messages = asyncio.run(run())
+    compared = total = 0
+    for i, prompt in enumerate(prompts, start=1):
+        last = calls[i][-1]
+        assert last.end and last.code == grpc.StatusCode.OK.value[0], last
+        finishes = [e.event for e in calls[i] if e.event.finish_reason != gen.FINISH_REASON_UNSPECIFIED]
+        assert len(finishes) == 1 and finishes[0].finish_reason == gen.LENGTH
+        tokens, logprobs = tokens_of(calls[i])
+        total += len(tokens)
+        compared += assert_matches_reference(tokens, logprobs, hf_greedy(long_model_dir, prompt, TOKENS))
+    assert total == len(prompts) * TOKENS
+    assert compared >= total // 2, f"only {compared} of {total} tokens compared"
+    # Six calls decoding side by side: one message per step for all of them, not one per token.
+    assert messages <= total // 2, f"{messages} messages for {total} tokens"
+
+
+def test_each_session_call_ends_as_its_submit_call_would_and_the_others_go_on(mesh, long_model_dir, prompts):
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.child("scheduler").address) as channel:
+            session = Session(channel)
+            session.send(1, submit=submit(prompts[0], LONG_REQUEST), timeout_s=120)  # to be cancelled
+            first = await session.read_until(lambda c: c.get(1))
+            session.send(2, submit=submit([5, 6, 999_999]))  # outside the vocabulary
+            session.send(1, submit=submit(prompts[1]))  # call 1 is open: this id cannot open another
+            session.send(3, submit=submit(prompts[2], LONG_REQUEST), timeout_s=1.0)  # runs past its deadline
+            session.send(4, submit=submit(prompts[3]), timeout_s=120)  # an ordinary call beside them
+            calls = await session.read_until(lambda c: c.get(2) and ended(c, 3) and ended(c, 4)
+                                             and any(e.end and "call_id" in e.details for e in c.get(1, ())))
+            session.send(1, cancel=True)
+            busy = await queue_state(mesh.redis_url, lambda n: n == 0, timeout=60)
+            pages = await wait_idle(mesh.kvcache_addr, timeout=60, workers=1)
+            session.outgoing.put_nowait(None)
+            assert await session.call.read() is grpc.aio.EOF
+            return first, calls, busy, pages
+
+    first, calls, busy, pages = asyncio.run(run())
+    [bad] = calls[2]
+    assert bad.end and bad.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert bad.details.startswith("prompt_token_ids: ") and "outside the vocabulary" in bad.details, bad.details
+    [duplicate] = [e for e in calls[1] if e.end]
+    assert duplicate.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert calls[3][-1].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert 0 < len(tokens_of(calls[3])[0]) < LONG_REQUEST
+    tokens, logprobs = tokens_of(calls[4])
+    assert calls[4][-1].code == grpc.StatusCode.OK.value[0] and len(tokens) == TOKENS
+    assert assert_matches_reference(tokens, logprobs, hf_greedy(long_model_dir, prompts[3], TOKENS)) >= TOKENS // 2
+    assert tokens_of(first[1])[0], "the call to cancel was streaming"
+    # The cancelled call and the expired one left nothing behind: no request, no page.
+    assert busy == 0
+    assert all(w.used_pages == 0 for w in pages), pages
+
+
+class SubmitOnly(scheduler_pb2_grpc.SchedulerServicer):
+    """A scheduler of a release before Session: Submit only (Session answers UNIMPLEMENTED)."""
+
+    async def Submit(self, request, context):
+        yield scheduler_pb2.TokenEvent(token_ids=list(request.prompt_token_ids)[::-1], logprobs=[0.0] * 3)
+        yield scheduler_pb2.TokenEvent(finish_reason=gen.LENGTH, worker_id="old")
+
+
+def test_a_router_link_to_a_scheduler_without_session_falls_back_to_submit_calls():
+    async def run():
+        server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SubmitOnly(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                link = SchedulerLink(channel, f"127.0.0.1:{port}")
+                with pytest.raises(grpc.aio.AioRpcError) as first:
+                    async for _ in link.Submit(submit([1, 2, 3]), timeout=30):
+                        pass
+                events = [e async for e in link.Submit(submit([1, 2, 3]), timeout=30)]
+                return first.value, link.legacy, events
+        finally:
+            await server.stop(0)
+
+    first, legacy, events = asyncio.run(run())
+    # The call that met the missing Session ends UNAVAILABLE, which the router resubmits; the next goes as Submit.
+    assert first.code() == grpc.StatusCode.UNAVAILABLE and "UNIMPLEMENTED" in first.details()
+    assert legacy
+    assert [list(e.token_ids) for e in events] == [[3, 2, 1], []] and events[-1].worker_id == "old"
