@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from kvmesh.services.launcher import free_port, serve_command, wait_serving
-from kvmesh.services.router.limits import KeyBook, KeyLimiter, KeyLimits, LimitExceeded, TokenBucket, parse_keys
+from kvmesh.services.router.limits import (KeyBook, KeyLimiter, KeyLimits, LimitExceeded, TokenBucket, in_flight_key,
+                                          parse_keys)
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from local_mesh import Mesh, stop_process
@@ -130,6 +131,20 @@ def test_prompt_tokens_are_refused_while_the_bucket_holds_fewer_and_output_is_ch
     assert too_big.retry_after_s is None and "over API key 'shared-tpm''s limit of 600 tokens/min" in str(too_big)
 
 
+async def past_first_lifetime(limiter, key, lease_ms, timeout_s=30):
+    """Returns once Redis's clock is a whole lease past the first expiry of `key`'s in-flight leases
+    as they stand now: leases nobody renewed would have expired by then."""
+    r = limiter.redis
+    first = max(score for _, score in await r.zrange(in_flight_key(key.id), 0, -1, withscores=True))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seconds, micros = await r.time()
+        if seconds * 1000 + micros // 1000 > first + lease_ms:
+            return
+        assert time.monotonic() < deadline, "Redis's clock did not move"
+        await asyncio.sleep(0.05)
+
+
 def test_an_in_flight_cap_is_shared_and_a_dead_routers_slots_come_back(redis_url):
     key = KeyLimits("shared-cap", max_concurrent=2)
 
@@ -141,8 +156,9 @@ def test_an_in_flight_cap_is_shared_and_a_dead_routers_slots_come_back(redis_url
         await a.finish(held[0])
         again = await b.admit(key)  # a finished request frees its slot at once
         renewing = asyncio.create_task(b.renew_leases())
-        # Router a "dies" holding nothing; router b keeps renewing its two leases past their lifetime.
-        await asyncio.sleep(3 * b.lease_s)
+        # Router a "dies" holding nothing; router b keeps renewing its two leases past their lifetime:
+        # wait (by Redis's clock, which the leases are scored by) until their first expiry is a lease ago.
+        await past_first_lifetime(b, key, lease_ms=int(b.lease_s * 1000))
         with pytest.raises(LimitExceeded):
             await a.admit(key)
         renewing.cancel()
