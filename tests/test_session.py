@@ -7,6 +7,7 @@ calls that go on; a router falls back to Submit calls for a scheduler without Se
 """
 
 import asyncio
+import signal
 
 import grpc
 import pytest
@@ -118,10 +119,14 @@ def test_each_session_call_ends_as_its_submit_call_would_and_the_others_go_on(me
             busy = await queue_state(mesh.redis_url, lambda n: n == 0, timeout=60)
             pages = await wait_idle(mesh.kvcache_addr, timeout=60, workers=1)
             session.outgoing.put_nowait(None)
-            assert await session.call.read() is grpc.aio.EOF
-            return first, calls, busy, pages
+            # The stream ends (without an error); what came after the cancel is call 1's tokens already sent.
+            late = []
+            while (batch := await session.call.read()) is not grpc.aio.EOF:
+                late += batch.events
+            return first, calls, busy, pages, late
 
-    first, calls, busy, pages = asyncio.run(run())
+    first, calls, busy, pages, late = asyncio.run(run())
+    assert all(e.call_id == 1 and not e.end for e in late), late
     [bad] = calls[2]
     assert bad.end and bad.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert bad.details.startswith("prompt_token_ids: ") and "outside the vocabulary" in bad.details, bad.details
@@ -168,3 +173,27 @@ def test_a_router_link_to_a_scheduler_without_session_falls_back_to_submit_calls
     assert first.code() == grpc.StatusCode.UNAVAILABLE and "UNIMPLEMENTED" in first.details()
     assert legacy
     assert [list(e.token_ids) for e in events] == [[3, 2, 1], []] and events[-1].worker_id == "old"
+
+
+def test_a_stopping_scheduler_refuses_new_session_calls_at_once_while_open_ones_run_on(long_model_dir, prompts):
+    mesh = Mesh(long_model_dir, workers=1, extra_worker=LONG_KV)
+    scheduler = mesh.child("scheduler")
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(scheduler.address) as channel:
+                session = Session(channel)
+                session.send(1, submit=submit(prompts[0], LONG_REQUEST), timeout_s=120)
+                await session.read_until(lambda c: c.get(1))
+                scheduler.process.send_signal(signal.SIGTERM)  # a graceful stop: open calls get the grace period
+                while await asyncio.to_thread(scheduler.serving):
+                    await asyncio.sleep(0.05)
+                session.send(2, submit=submit(prompts[1]), timeout_s=120)
+                calls = await session.read_until(lambda c: ended(c, 2))
+                return calls
+        calls = asyncio.run(run())
+    finally:
+        mesh.close()
+    [refused] = calls[2]
+    # As a new Submit call to a stopping server: UNAVAILABLE, which a router sends to another scheduler.
+    assert refused.end and refused.code == grpc.StatusCode.UNAVAILABLE.value[0] and "stopping" in refused.details
+    assert not refused.HasField("event")

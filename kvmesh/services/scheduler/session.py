@@ -106,10 +106,12 @@ class Outbox:
         return batches
 
 
-async def serve_session(requests, submit):
+async def serve_session(requests, submit, stopping=lambda: False):
     """A Session call's messages: runs each call it opens through `submit` (the Submit handler:
     request, context -> its TokenEvents) and yields their events in batches. Ends once the caller
-    stopped sending and every call ended; when it ends otherwise, every open call is cancelled."""
+    stopped sending and every call ended; when it ends otherwise, every open call is cancelled.
+    While `stopping()` (the server is in its grace period), a new call ends UNAVAILABLE at once,
+    as a new Submit call would: the caller sends it to another scheduler."""
     outbox = Outbox()
     calls: dict[int, asyncio.Task] = {}
 
@@ -138,6 +140,9 @@ async def serve_session(requests, submit):
             async for request in requests:
                 action = request.WhichOneof("action")
                 if action == "submit":
+                    if stopping():
+                        outbox.end(request.call_id, grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")
+                        continue
                     if request.call_id in calls:
                         outbox.end(request.call_id, grpc.StatusCode.INVALID_ARGUMENT,
                                    f"call_id: {request.call_id} is already open in this session")
