@@ -197,3 +197,73 @@ def test_a_stopping_scheduler_refuses_new_session_calls_at_once_while_open_ones_
     # As a new Submit call to a stopping server: UNAVAILABLE, which a router sends to another scheduler.
     assert refused.end and refused.code == grpc.StatusCode.UNAVAILABLE.value[0] and "stopping" in refused.details
     assert not refused.HasField("event")
+
+
+# -- the session's batching, on its own (no scheduler: a generator stands in for Submit) --------
+
+
+async def drive_session(calls):
+    """Runs serve_session over `calls` ({call_id: SubmitRequest}) with a Submit that streams
+    max_new_tokens events of one token and 20 alternatives each, and reads every message after
+    all of them were queued (a caller far behind). Returns the messages."""
+    from kvmesh.services.scheduler.session import serve_session
+
+    async def submit(request, context):
+        if request.prompt_token_ids[0] == 0:  # one event over what a caller may receive
+            yield scheduler_pb2.TokenEvent(top_ids=[7] * 1_000_000, top_logprobs=[-1.0] * 1_000_000)
+        for i in range(request.stopping.max_new_tokens):
+            yield scheduler_pb2.TokenEvent(token_ids=[i % 500], logprobs=[-0.5], top_ids=list(range(20)),
+                                           top_logprobs=[-1.0] * 20)
+        yield scheduler_pb2.TokenEvent(finish_reason=gen.LENGTH)
+
+    async def requests():
+        for call_id, request in calls.items():
+            yield scheduler_pb2.SessionRequest(call_id=call_id, submit=request)
+
+    return [batch async for batch in serve_session(requests(), submit)]
+
+
+def test_a_session_splits_a_long_backlog_into_bounded_messages_in_order():
+    from kvmesh.services.scheduler.session import MAX_BATCH_BYTES
+
+    messages = asyncio.run(drive_session({1: submit([5], 20_000), 2: submit([6], 3)}))
+    assert len(messages) > 1 and all(m.ByteSize() <= MAX_BATCH_BYTES for m in messages)
+    entries = [e for m in messages for e in m.events]
+    tokens = [t for e in entries if e.call_id == 1 for t in e.event.token_ids]
+    assert tokens == [i % 500 for i in range(20_000)]  # every token once, in order, across the entries
+    assert [e.end for e in entries if e.call_id == 1][-1] and sum(e.end for e in entries) == 2
+    assert [t for e in entries if e.call_id == 2 for t in e.event.token_ids] == [0, 1, 2]
+
+
+def test_a_session_call_whose_message_would_break_the_session_ends_alone():
+    from kvmesh.services.scheduler.session import MAX_EVENT_BYTES
+
+    messages = asyncio.run(drive_session({1: submit([0], 5), 2: submit([6], 5)}))
+    entries = [e for m in messages for e in m.events]
+    [huge] = [e for e in entries if e.call_id == 1]
+    assert huge.end and huge.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and not huge.HasField("event")
+    assert f"over the session's limit of {MAX_EVENT_BYTES}" in huge.details
+    assert [t for e in entries if e.call_id == 2 for t in e.event.token_ids] == [0, 1, 2, 3, 4]
+    assert all(m.ByteSize() < MAX_EVENT_BYTES for m in messages)
+
+
+def test_a_request_too_large_for_a_session_goes_as_its_own_submit_call():
+    from kvmesh.services.router.session import MAX_SESSION_SUBMIT_BYTES
+
+    async def run():
+        server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SubmitOnly(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                link = SchedulerLink(channel, f"127.0.0.1:{port}")
+                huge = submit([1, 2, 3] + [30_000] * (MAX_SESSION_SUBMIT_BYTES // 3))
+                events = [e async for e in link.Submit(huge, timeout=30)]
+                return events, link
+        finally:
+            await server.stop(0)
+
+    events, link = asyncio.run(run())
+    # Served at once by Submit (a session call to this server would have ended UNAVAILABLE first).
+    assert events[-1].worker_id == "old" and link._session is None and not link.legacy

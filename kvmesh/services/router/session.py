@@ -7,7 +7,8 @@ error handling are the same for both. The calls of a link share one Session stre
 first call and again after it broke; its batches are handed to the calls they are for. A
 scheduler without Session (an older release) answers UNIMPLEMENTED: the link then uses plain
 Submit calls, and the calls that were waiting on the session end UNAVAILABLE, which the router
-resubmits.
+resubmits. A request over MAX_SESSION_SUBMIT_BYTES is a plain Submit call too: one over the
+scheduler's receive limit then fails alone instead of breaking the session under every call on it.
 
 When the stream breaks, every call on it ends UNAVAILABLE naming why, as a broken Submit call
 does, and the router resumes them; the scheduler, for its part, treats them as dropped streams.
@@ -26,6 +27,7 @@ from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 log = logging.getLogger("kvmesh.router")
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+MAX_SESSION_SUBMIT_BYTES = 1 << 20  # larger requests (a prompt of some 300,000 tokens) are plain Submit calls
 
 
 def _error(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcError:
@@ -157,7 +159,8 @@ class SchedulerLink:
         self._session: _Session | None = None
 
     def Submit(self, request: scheduler_pb2.SubmitRequest, timeout: float | None = None, metadata=()):
-        if self.legacy:
+        # A request near the scheduler's receive limit goes alone: over it, it would break the session.
+        if self.legacy or request.ByteSize() > MAX_SESSION_SUBMIT_BYTES:
             return self.stub.Submit(request, timeout=timeout, metadata=metadata)
         if self._session is None or self._session.closed or self._session.draining:
             self._session = _Session(self)

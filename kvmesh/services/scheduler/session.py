@@ -27,9 +27,12 @@ from kvmesh.v1 import scheduler_pb2
 
 log = logging.getLogger("kvmesh.scheduler")
 
-# A batch larger than this is split (a caller's receive limit is 4 MiB by default); one call's
-# events beyond it (a long prompt's logprobs) still leave whole, in a message of their own.
+# A batch larger than this is split, and so is one call's backlog; a single event larger than it (a
+# long prompt's logprobs) leaves alone. One over MAX_EVENT_BYTES would be over the caller's receive
+# limit (gRPC's default, 4 MiB) and break the whole session: that call ends RESOURCE_EXHAUSTED
+# instead, as its Submit call would have.
 MAX_BATCH_BYTES = 1 << 20
+MAX_EVENT_BYTES = (4 << 20) - (64 << 10)
 
 
 class CallAborted(Exception):
@@ -65,44 +68,50 @@ class CallContext:
 
 
 class Outbox:
-    """The session's events not yet sent: per call, its events since its last entry, merged into one."""
+    """The session's events not yet sent: per call, its events since its last entry merged into
+    one, up to MAX_BATCH_BYTES (a reader far behind gets several entries per call, in order)."""
 
     def __init__(self):
-        self.entries: dict[int, scheduler_pb2.SessionEvent] = {}
+        self.entries: dict[int, scheduler_pb2.SessionEvent] = {}  # per call, the entry still taking events
+        self.sizes: dict[int, int] = {}  # their sizes as merged so far
+        self.closed: list[scheduler_pb2.SessionEvent] = []  # full entries, in the order they filled
         self.ready = asyncio.Event()
 
-    def _entry(self, call_id: int) -> scheduler_pb2.SessionEvent:
+    def _entry(self, call_id: int, adding: int) -> scheduler_pb2.SessionEvent:
         entry = self.entries.get(call_id)
+        if entry is not None and self.sizes[call_id] + adding > MAX_BATCH_BYTES:
+            self.closed.append(entry)  # before any later entry of the call: its order holds
+            entry = None
         if entry is None:
             entry = self.entries[call_id] = scheduler_pb2.SessionEvent(call_id=call_id)
+            self.sizes[call_id] = 0
+        self.sizes[call_id] += adding
         self.ready.set()
         return entry
 
     def event(self, call_id: int, event: scheduler_pb2.TokenEvent) -> None:
         # Later events of a stream only add tokens (repeated fields) and, last, its finish (scalars).
-        self._entry(call_id).event.MergeFrom(event)
+        self._entry(call_id, event.ByteSize()).event.MergeFrom(event)
 
     def end(self, call_id: int, code: grpc.StatusCode, details: str = "", trailing=()) -> None:
-        entry = self._entry(call_id)
+        entry = self._entry(call_id, len(details) + 16)
         entry.end, entry.code, entry.details = True, code.value[0], details
         entry.trailing_metadata.update({k: v for k, v in trailing if isinstance(v, str)})
 
     def take(self) -> list[scheduler_pb2.SessionEvents]:
-        """Everything pending, as messages of about MAX_BATCH_BYTES at most."""
-        if not self.entries:
-            self.ready.clear()
-            return []
-        batches = [scheduler_pb2.SessionEvents()]
-        size = 0
-        for entry in self.entries.values():
+        """Everything pending, as messages of MAX_BATCH_BYTES at most (one larger entry alone)."""
+        pending = [*self.closed, *self.entries.values()]
+        self.closed, self.entries, self.sizes = [], {}, {}
+        self.ready.clear()
+        batches: list[scheduler_pb2.SessionEvents] = []
+        size = MAX_BATCH_BYTES + 1
+        for entry in pending:
             n = entry.ByteSize()
-            if size and size + n > MAX_BATCH_BYTES:
+            if size + n > MAX_BATCH_BYTES:
                 batches.append(scheduler_pb2.SessionEvents())
                 size = 0
             batches[-1].events.append(entry)
             size += n
-        self.entries.clear()
-        self.ready.clear()
         return batches
 
 
@@ -121,6 +130,10 @@ async def serve_session(requests, submit, stopping=lambda: False):
             async with asyncio.timeout_at(context.deadline):
                 async with aclosing(submit(request.submit, context)) as events:
                     async for event in events:
+                        if (size := event.ByteSize()) > MAX_EVENT_BYTES:  # a caller's receive limit: it would break the session
+                            raise CallAborted(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                              f"a stream message of {size} bytes is over the session's limit of "
+                                              f"{MAX_EVENT_BYTES} (prompt logprobs of a long prompt: ask for fewer)")
                         outbox.event(call_id, event)
             outbox.end(call_id, grpc.StatusCode.OK)
         except CallAborted as e:
