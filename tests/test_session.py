@@ -181,22 +181,26 @@ def test_a_stopping_scheduler_refuses_new_session_calls_at_once_while_open_ones_
     try:
         async def run():
             async with grpc.aio.insecure_channel(scheduler.address) as channel:
-                session = Session(channel)
+                session, idle = Session(channel), Session(channel)
                 session.send(1, submit=submit(prompts[0], LONG_REQUEST), timeout_s=120)
                 await session.read_until(lambda c: c.get(1))
+                idle.send(1, submit=submit(prompts[1], 2), timeout_s=120)  # ends: the session is open, no call on it
+                await idle.read_until(lambda c: ended(c, 1))
                 scheduler.process.send_signal(signal.SIGTERM)  # a graceful stop: open calls get the grace period
                 while await asyncio.to_thread(scheduler.serving):
                     await asyncio.sleep(0.05)
                 session.send(2, submit=submit(prompts[1]), timeout_s=120)
                 calls = await session.read_until(lambda c: ended(c, 2))
-                return calls
-        calls = asyncio.run(run())
+                return calls, await idle.call.read(), await idle.call.code()
+        calls, idle_read, idle_code = asyncio.run(run())
     finally:
         mesh.close()
     [refused] = calls[2]
     # As a new Submit call to a stopping server: UNAVAILABLE, which a router sends to another scheduler.
     assert refused.end and refused.code == grpc.StatusCode.UNAVAILABLE.value[0] and "stopping" in refused.details
     assert not refused.HasField("event")
+    # A session with no call open ends at once, not at the end of the grace period, and cleanly.
+    assert idle_read is grpc.aio.EOF and idle_code == grpc.StatusCode.OK
 
 
 # -- the session's batching, on its own (no scheduler: a generator stands in for Submit) --------

@@ -82,7 +82,7 @@ class ServiceServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
-        self.stopping = False
+        self.stopping = asyncio.Event()  # set when stop() begins: calls in flight get their grace period
         enable_reflection([*service_names, health.SERVICE_NAME], self.server)
         address = f"{host}:{port}"
         try:
@@ -103,7 +103,7 @@ class ServiceServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float = 2.0) -> None:
-        self.stopping = True  # calls in flight get `grace`; a service may refuse new work over open streams meanwhile
+        self.stopping.set()  # a service may refuse new work over open streams meanwhile
         await self.set_serving(False)
         await self.server.stop(grace)
 

@@ -100,7 +100,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.health = HealthChecks(self)
         self.autoscale = AutoscaleSignal(self)
         self._ramp_new_workers = False  # set once workers are known: later ones ramp up their admissions
-        self.stopping = lambda: False  # the server is in its grace period (serve() points it at the server)
+        self.stopping = asyncio.Event()  # the server is in its grace period (serve() gives it the server's)
 
     def kvcache(self):
         return self._kvcache_stub
@@ -684,7 +684,7 @@ async def serve(common: CommonConfig, cfg: SchedulerServiceConfig) -> None:
     server = ServiceServer(["kvmesh.v1.Scheduler"], lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, s),
                            common.host, cfg.port, mesh_server_credentials(common))
     await server.start()
-    service.stopping = lambda: server.stopping
+    service.stopping = server.stopping
     address = advertised_address(common, server.port)
     service.identify(address)
     registry.on_close.append(service.leases.release_all)  # a clean stop hands its workers over at once

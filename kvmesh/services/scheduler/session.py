@@ -98,6 +98,10 @@ class Outbox:
         entry.end, entry.code, entry.details = True, code.value[0], details
         entry.trailing_metadata.update({k: v for k, v in trailing if isinstance(v, str)})
 
+    @property
+    def pending(self) -> bool:
+        return bool(self.entries or self.closed)
+
     def take(self) -> list[scheduler_pb2.SessionEvents]:
         """Everything pending, as messages of MAX_BATCH_BYTES at most (one larger entry alone)."""
         pending = [*self.closed, *self.entries.values()]
@@ -115,12 +119,14 @@ class Outbox:
         return batches
 
 
-async def serve_session(requests, submit, stopping=lambda: False):
+async def serve_session(requests, submit, stopping: asyncio.Event | None = None):
     """A Session call's messages: runs each call it opens through `submit` (the Submit handler:
     request, context -> its TokenEvents) and yields their events in batches. Ends once the caller
     stopped sending and every call ended; when it ends otherwise, every open call is cancelled.
-    While `stopping()` (the server is in its grace period), a new call ends UNAVAILABLE at once,
-    as a new Submit call would: the caller sends it to another scheduler."""
+    Once `stopping` is set (the server is in its grace period), a new call ends UNAVAILABLE at
+    once, as a new Submit call would (the caller sends it to another scheduler), and the session
+    ends as soon as it has no call open: an idle session does not hold the server's stop."""
+    stopping = stopping or asyncio.Event()
     outbox = Outbox()
     calls: dict[int, asyncio.Task] = {}
 
@@ -153,7 +159,7 @@ async def serve_session(requests, submit, stopping=lambda: False):
             async for request in requests:
                 action = request.WhichOneof("action")
                 if action == "submit":
-                    if stopping():
+                    if stopping.is_set():
                         outbox.end(request.call_id, grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")
                         continue
                     if request.call_id in calls:
@@ -166,7 +172,12 @@ async def serve_session(requests, submit, stopping=lambda: False):
         finally:
             outbox.ready.set()
 
+    async def wake_on_stop() -> None:
+        await stopping.wait()
+        outbox.ready.set()
+
     reader = asyncio.create_task(read())
+    watcher = asyncio.create_task(wake_on_stop())
     try:
         while True:
             await outbox.ready.wait()
@@ -174,10 +185,11 @@ async def serve_session(requests, submit, stopping=lambda: False):
                 yield batch
             if reader.done():
                 reader.result()  # the caller's stream broke or sent what does not decode: end with that
-                if not calls and not outbox.entries:
-                    return
+            if (reader.done() or stopping.is_set()) and not calls and not outbox.pending:
+                return
     finally:
+        watcher.cancel()
         reader.cancel()
         for task in calls.values():
             task.cancel()
-        await asyncio.gather(reader, *calls.values(), return_exceptions=True)
+        await asyncio.gather(reader, watcher, *calls.values(), return_exceptions=True)
