@@ -110,11 +110,9 @@ def test_each_session_call_ends_as_its_submit_call_would_and_the_others_go_on(me
             session.send(1, submit=submit(prompts[0], LONG_REQUEST), timeout_s=120)  # to be cancelled
             first = await session.read_until(lambda c: c.get(1))
             session.send(2, submit=submit([5, 6, 999_999]))  # outside the vocabulary
-            session.send(1, submit=submit(prompts[1]))  # call 1 is open: this id cannot open another
             session.send(3, submit=submit(prompts[2], LONG_REQUEST), timeout_s=1.0)  # runs past its deadline
             session.send(4, submit=submit(prompts[3]), timeout_s=120)  # an ordinary call beside them
-            calls = await session.read_until(lambda c: c.get(2) and ended(c, 3) and ended(c, 4)
-                                             and any(e.end and "call_id" in e.details for e in c.get(1, ())))
+            calls = await session.read_until(lambda c: c.get(2) and ended(c, 3) and ended(c, 4))
             session.send(1, cancel=True)
             busy = await queue_state(mesh.redis_url, lambda n: n == 0, timeout=60)
             pages = await wait_idle(mesh.kvcache_addr, timeout=60, workers=1)
@@ -130,8 +128,7 @@ def test_each_session_call_ends_as_its_submit_call_would_and_the_others_go_on(me
     [bad] = calls[2]
     assert bad.end and bad.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert bad.details.startswith("prompt_token_ids: ") and "outside the vocabulary" in bad.details, bad.details
-    [duplicate] = [e for e in calls[1] if e.end]
-    assert duplicate.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert not any(e.end for e in calls[1]), "the call to cancel ended before it was cancelled"
     assert calls[3][-1].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert 0 < len(tokens_of(calls[3])[0]) < LONG_REQUEST
     tokens, logprobs = tokens_of(calls[4])
@@ -141,6 +138,51 @@ def test_each_session_call_ends_as_its_submit_call_would_and_the_others_go_on(me
     # The cancelled call and the expired one left nothing behind: no request, no page.
     assert busy == 0
     assert all(w.used_pages == 0 for w in pages), pages
+
+
+def test_a_session_that_opens_a_call_id_twice_ends_invalid_argument_and_frees_its_calls(mesh, prompts):
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.child("scheduler").address) as channel:
+            session = Session(channel)
+            session.send(1, submit=submit(prompts[0], LONG_REQUEST), timeout_s=120)
+            await session.read_until(lambda c: c.get(1))
+            session.send(1, submit=submit(prompts[1]))  # call 1 is open: no end could tell the two apart
+            with pytest.raises(grpc.aio.AioRpcError) as broken:
+                await session.read_until(lambda c: False)
+            return broken.value, await queue_state(mesh.redis_url, lambda n: n == 0, timeout=60)
+
+    broken, busy = asyncio.run(run())
+    assert broken.code() == grpc.StatusCode.INVALID_ARGUMENT and broken.details().startswith("call_id: 1 ")
+    assert busy == 0  # the session's open call ended with it
+
+
+def test_a_resumable_call_whose_session_drops_is_held_for_attach_which_takes_it_over(mesh, prompts):
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.child("scheduler").address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            first, second = Session(channel), Session(channel)
+            for session, rid, prompt in ((first, "held-1", prompts[4]), (second, "held-2", prompts[5])):
+                request = submit(prompt, 300, request_id=rid)
+                request.resumable = True
+                session.send(1, submit=request, timeout_s=120)
+                await session.read_until(lambda c: c.get(1))
+            first.call.cancel()  # the router died: the session drops under the call
+            attached = [e async for e in stub.Attach(scheduler_pb2.AttachRequest(
+                request_id="held-1", prompt_token_ids=prompts[4]), timeout=120)]
+            # A live session's call taken over by an Attach (its router had not noticed its client left).
+            attach = stub.Attach(scheduler_pb2.AttachRequest(request_id="held-2", prompt_token_ids=prompts[5]), timeout=120)
+            head = await attach.read()
+            taken = await second.read_until(lambda c: ended(c, 1))
+            rest = []
+            while (event := await attach.read()) is not grpc.aio.EOF:
+                rest.append(event)
+            return attached, taken[1][-1], [head, *rest], await queue_state(mesh.redis_url, lambda n: n == 0, timeout=60)
+
+    attached, taken, reattached, busy = asyncio.run(run())
+    assert sum(len(e.token_ids) for e in attached) == 300 and attached[-1].finish_reason == gen.LENGTH
+    assert taken.code == grpc.StatusCode.CANCELLED.value[0] and "attached" in taken.details
+    assert sum(len(e.token_ids) for e in reattached) == 300 and reattached[-1].finish_reason == gen.LENGTH
+    assert busy == 0
 
 
 class SubmitOnly(scheduler_pb2_grpc.SchedulerServicer):
@@ -215,6 +257,11 @@ async def drive_session(calls):
     async def submit(request, context):
         if request.prompt_token_ids[0] == 0:  # one event over what a caller may receive
             yield scheduler_pb2.TokenEvent(top_ids=[7] * 1_000_000, top_logprobs=[-1.0] * 1_000_000)
+        if request.prompt_token_ids[0] == 1:  # tokens, then its worker is lost
+            yield scheduler_pb2.TokenEvent(token_ids=[11], logprobs=[-0.5])
+            yield scheduler_pb2.TokenEvent(token_ids=[12], logprobs=[-0.5])
+            yield scheduler_pb2.TokenEvent(finish_reason=gen.ERROR, worker_lost=True)
+            return
         for i in range(request.stopping.max_new_tokens):
             yield scheduler_pb2.TokenEvent(token_ids=[i % 500], logprobs=[-0.5], top_ids=list(range(20)),
                                            top_logprobs=[-1.0] * 20)
@@ -271,3 +318,35 @@ def test_a_request_too_large_for_a_session_goes_as_its_own_submit_call():
     events, link = asyncio.run(run())
     # Served at once by Submit (a session call to this server would have ended UNAVAILABLE first).
     assert events[-1].worker_id == "old" and link._session is None and not link.legacy
+
+
+def test_a_session_sends_the_tokens_before_a_lost_workers_finish_in_their_own_entry():
+    messages = asyncio.run(drive_session({1: submit([1], 5)}))
+    entries = [e for m in messages for e in m.events]
+    # A router acts on worker_lost before reading the tokens of its message: they come first, apart.
+    assert [list(e.event.token_ids) for e in entries if e.HasField("event")] == [[11, 12], []]
+    assert not entries[0].event.worker_lost and entries[1].event.worker_lost and entries[-1].end
+
+
+def test_a_session_call_whose_finish_was_not_sent_is_not_counted_delivered():
+    from kvmesh.services.scheduler.session import serve_session
+
+    seen = []
+
+    async def submit(request, context):
+        try:
+            yield scheduler_pb2.TokenEvent(token_ids=[3], logprobs=[-0.5], finish_reason=gen.LENGTH)
+        finally:
+            seen.append(context.finish_unsent)  # what the Submit handler's cleanup reads (_relay)
+
+    async def requests():
+        yield scheduler_pb2.SessionRequest(call_id=1, submit=submit.__defaults__ or scheduler_pb2.SubmitRequest())
+        await asyncio.Event().wait()  # the caller stays, sending nothing more
+
+    async def run():
+        session = serve_session(requests(), submit)
+        await session.__anext__()  # the batch with the finish is handed over...
+        await session.aclose()  # ...and the stream breaks before it is confirmed sent
+
+    asyncio.run(run())
+    assert seen == [True]

@@ -6,8 +6,8 @@ details and trailing metadata the scheduler ended it with; `cancel()`), so the r
 error handling are the same for both. The calls of a link share one Session stream, opened on the
 first call and again after it broke; its batches are handed to the calls they are for. A
 scheduler without Session (an older release) answers UNIMPLEMENTED: the link then uses plain
-Submit calls, and the calls that were waiting on the session end UNAVAILABLE, which the router
-resubmits. A request over MAX_SESSION_SUBMIT_BYTES is a plain Submit call too: one over the
+Submit calls (for LEGACY_RETRY_S, then it tries again), and the calls that were waiting on the
+session end UNAVAILABLE, which the router resubmits. A request over MAX_SESSION_SUBMIT_BYTES is a plain Submit call too: one over the
 scheduler's receive limit then fails alone instead of breaking the session under every call on it.
 
 When the stream breaks, every call on it ends UNAVAILABLE naming why, as a broken Submit call
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 
 import grpc
 
@@ -28,6 +29,7 @@ log = logging.getLogger("kvmesh.router")
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 MAX_SESSION_SUBMIT_BYTES = 1 << 20  # larger requests (a prompt of some 300,000 tokens) are plain Submit calls
+LEGACY_RETRY_S = 60.0  # a scheduler without Session is asked again after this long
 
 
 def _error(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcError:
@@ -43,6 +45,7 @@ class SessionCall:
         self.session, self.call_id = session, call_id
         self.events: asyncio.Queue = asyncio.Queue()
         self.ended = False
+        self.finished = False  # its finish came: it ends on its own, a cancel has nothing to stop
         # The scheduler ends the call at its deadline (it was sent); this ends it here all the same.
         self._timer = asyncio.get_running_loop().call_later(timeout, self._expired) if timeout else None
 
@@ -62,6 +65,7 @@ class SessionCall:
     def deliver(self, entry: scheduler_pb2.SessionEvent) -> None:
         if entry.HasField("event"):
             self.events.put_nowait(entry.event)
+            self.finished = self.finished or entry.event.finish_reason != 0
         if entry.end:
             code = _CODES.get(entry.code, grpc.StatusCode.UNKNOWN)
             self._end(None if code == grpc.StatusCode.OK
@@ -83,7 +87,8 @@ class SessionCall:
         """Ends the call (the scheduler cancels it, as a dropped Submit stream); False once it ended."""
         if self.ended:
             return False
-        self.session.send(scheduler_pb2.SessionRequest(call_id=self.call_id, cancel=True))
+        if not self.finished:
+            self.session.send(scheduler_pb2.SessionRequest(call_id=self.call_id, cancel=True))
         self._end(_error(grpc.StatusCode.CANCELLED, "Locally cancelled"))
         return True
 
@@ -135,14 +140,16 @@ class _Session:
                         call.deliver(entry)
         except grpc.aio.AioRpcError as e:
             why = f"its scheduler session broke ({e.code().name}: {e.details()})"
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self.link.legacy = True
-                log.info("scheduler %s has no Session: using a Submit call per request", self.link.address)
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # tried again later: it may be upgraded in place
+                self.link.legacy_until = time.monotonic() + LEGACY_RETRY_S
+                log.info("scheduler %s has no Session: a Submit call per request for %.0f s", self.link.address,
+                         LEGACY_RETRY_S)
         except asyncio.CancelledError:
             why = "the router is stopping"
             raise
         finally:
             self.closed = True
+            self._outgoing.put_nowait(None)  # ends the request iterator, which grpc no longer reads
             self._call.cancel()
             for call in list(self.calls.values()):
                 call._end(_error(grpc.StatusCode.UNAVAILABLE, why))
@@ -155,12 +162,17 @@ class SchedulerLink:
     def __init__(self, channel: grpc.aio.Channel, address: str = ""):
         self.stub = scheduler_pb2_grpc.SchedulerStub(channel)
         self.address = address
-        self.legacy = False
+        self.legacy_until = 0.0  # until then (time.monotonic), plain Submit calls: the scheduler had no Session
+        self.closed = False  # left the pool: calls still made through it are plain Submit calls
         self._session: _Session | None = None
+
+    @property
+    def legacy(self) -> bool:
+        return time.monotonic() < self.legacy_until
 
     def Submit(self, request: scheduler_pb2.SubmitRequest, timeout: float | None = None, metadata=()):
         # A request near the scheduler's receive limit goes alone: over it, it would break the session.
-        if self.legacy or request.ByteSize() > MAX_SESSION_SUBMIT_BYTES:
+        if self.closed or self.legacy or request.ByteSize() > MAX_SESSION_SUBMIT_BYTES:
             return self.stub.Submit(request, timeout=timeout, metadata=metadata)
         if self._session is None or self._session.closed or self._session.draining:
             self._session = _Session(self)
@@ -171,5 +183,6 @@ class SchedulerLink:
 
     def close(self) -> None:
         """The scheduler left the pool: its session ends once the calls still on it have ended."""
+        self.closed = True
         if self._session is not None:
             self._session.close()

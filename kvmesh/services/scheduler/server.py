@@ -44,7 +44,7 @@ from kvmesh.services.scheduler.fleet import AutoscaleSignal, HealthChecks, Outco
 from kvmesh.services.scheduler.overload import MIN_RETRY_S, estimated_wait_s, overload_retry_s
 from kvmesh.services.scheduler.placement import PlacementConfig, choose_worker
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
-from kvmesh.services.scheduler.session import serve_session
+from kvmesh.services.scheduler.session import CallAborted, serve_session
 from kvmesh.services.scheduler.worker_loop import Fetch, LogprobsTokenEvent, WorkerLoop
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_channel, mesh_identity, mesh_server_credentials
 from kvmesh.v1 import generation_pb2 as gen
@@ -181,9 +181,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Session(self, requests, context):
         """Submit calls over one stream, their events batched per step (session.py)."""
-        async with aclosing(serve_session(requests, self.Submit, self.stopping)) as batches:
-            async for batch in batches:
-                yield batch
+        try:
+            async with aclosing(serve_session(requests, self.Submit, self.stopping)) as batches:
+                async for batch in batches:
+                    yield batch
+        except CallAborted as e:  # the caller broke the session's protocol
+            await context.abort(e.code, e.details)
 
     async def _abort(self, context, span, code: grpc.StatusCode, message: str):
         span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, f"{code.name}: {message}"))
@@ -315,6 +318,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             if held.relay is me:
                 held.relay = None
+                # A session call's finish may still wait in its outbox: then it was not delivered (session.py).
+                delivered = delivered and not getattr(context, "finish_unsent", False)
                 remaining = context.time_remaining()
                 if delivered or not held.resumable or not self.cfg.detach_grace_s or (remaining is not None and remaining <= 0):
                     self._release(held)

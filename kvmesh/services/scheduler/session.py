@@ -18,6 +18,7 @@ for Attach); the session ending, however it ends, cancels every call still open 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from contextlib import aclosing
 
@@ -51,6 +52,8 @@ class CallContext:
         self._metadata = tuple(request.metadata.items())
         self.deadline = loop.time() + request.timeout_s if request.timeout_s > 0 else None
         self.trailing: tuple[tuple[str, str], ...] = ()
+        # The call's finish is yielded but not sent yet: if the call ends now, it was not delivered.
+        self.finish_unsent = False
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -76,10 +79,24 @@ class Outbox:
         self.sizes: dict[int, int] = {}  # their sizes as merged so far
         self.closed: list[scheduler_pb2.SessionEvent] = []  # full entries, in the order they filled
         self.ready = asyncio.Event()
+        self._flush: asyncio.Future | None = None  # done once what was added since the last take() is sent
+        self._sending: asyncio.Future | None = None  # the last take()'s, done once its batches are sent
 
-    def _entry(self, call_id: int, adding: int) -> scheduler_pb2.SessionEvent:
+    def flushed(self) -> asyncio.Future:
+        """Done when the writer has sent everything added so far (in the next take's batches)."""
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().create_future()
+        return self._flush
+
+    def sent(self) -> None:
+        """The writer sent the last take's batches."""
+        if self._sending is not None and not self._sending.done():
+            self._sending.set_result(None)
+        self._sending = None
+
+    def _entry(self, call_id: int, adding: int, alone: bool = False) -> scheduler_pb2.SessionEvent:
         entry = self.entries.get(call_id)
-        if entry is not None and self.sizes[call_id] + adding > MAX_BATCH_BYTES:
+        if entry is not None and (alone or self.sizes[call_id] + adding > MAX_BATCH_BYTES):
             self.closed.append(entry)  # before any later entry of the call: its order holds
             entry = None
         if entry is None:
@@ -91,7 +108,9 @@ class Outbox:
 
     def event(self, call_id: int, event: scheduler_pb2.TokenEvent) -> None:
         # Later events of a stream only add tokens (repeated fields) and, last, its finish (scalars).
-        self._entry(call_id, event.ByteSize()).event.MergeFrom(event)
+        # A finish that says the worker was lost goes in an entry of its own: a router acts on it
+        # before reading its message's tokens, and the tokens before it must reach the client.
+        self._entry(call_id, event.ByteSize(), alone=event.worker_lost).event.MergeFrom(event)
 
     def end(self, call_id: int, code: grpc.StatusCode, details: str = "", trailing=()) -> None:
         entry = self._entry(call_id, len(details) + 16)
@@ -106,6 +125,7 @@ class Outbox:
         """Everything pending, as messages of MAX_BATCH_BYTES at most (one larger entry alone)."""
         pending = [*self.closed, *self.entries.values()]
         self.closed, self.entries, self.sizes = [], {}, {}
+        self._sending, self._flush = self._flush, None
         self.ready.clear()
         batches: list[scheduler_pb2.SessionEvents] = []
         size = MAX_BATCH_BYTES + 1
@@ -125,10 +145,13 @@ async def serve_session(requests, submit, stopping: asyncio.Event | None = None)
     stopped sending and every call ended; when it ends otherwise, every open call is cancelled.
     Once `stopping` is set (the server is in its grace period), a new call ends UNAVAILABLE at
     once, as a new Submit call would (the caller sends it to another scheduler), and the session
-    ends as soon as it has no call open: an idle session does not hold the server's stop."""
+    ends as soon as it has no call open: an idle session does not hold the server's stop.
+    CallAborted(INVALID_ARGUMENT) for a caller that opens a call_id already open: the session's
+    own status (no end for that id could tell the two calls apart)."""
     stopping = stopping or asyncio.Event()
     outbox = Outbox()
     calls: dict[int, asyncio.Task] = {}
+    cancelled: set[int] = set()  # calls the caller cancelled: they end without an `end`
 
     async def run(call_id: int, request: scheduler_pb2.SessionRequest) -> None:
         context = CallContext(request)
@@ -141,33 +164,47 @@ async def serve_session(requests, submit, stopping: asyncio.Event | None = None)
                                               f"a stream message of {size} bytes is over the session's limit of "
                                               f"{MAX_EVENT_BYTES} (prompt logprobs of a long prompt: ask for fewer)")
                         outbox.event(call_id, event)
+                        if event.finish_reason:
+                            # As a Submit stream's finish counts as delivered once grpc has sent it: the
+                            # handler ends (and releases the request) only after the writer sent it.
+                            context.finish_unsent = True
+                            await outbox.flushed()
+                            context.finish_unsent = False
             outbox.end(call_id, grpc.StatusCode.OK)
         except CallAborted as e:
             outbox.end(call_id, e.code, e.details, context.trailing)
         except TimeoutError:
             outbox.end(call_id, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except asyncio.CancelledError:
+            if call_id in cancelled or session_ending:
+                raise
+            # Another caller attached to the request (Scheduler/Attach took its relay over): say so.
+            outbox.end(call_id, grpc.StatusCode.CANCELLED, "the request was attached to by another caller")
         except Exception as e:  # a bug: the call fails as grpc fails a handler that raised
             log.exception("session call %d failed", call_id)
             outbox.end(call_id, grpc.StatusCode.UNKNOWN, f"Unexpected error in the scheduler: {type(e).__name__}")
-        finally:
-            if calls.get(call_id) is asyncio.current_task():
-                del calls[call_id]
-            outbox.ready.set()
+
+    def forget(call_id: int, task: asyncio.Task) -> None:  # also for a task cancelled before it ran
+        if calls.get(call_id) is task:
+            del calls[call_id]
+        cancelled.discard(call_id)
+        outbox.ready.set()
 
     async def read() -> None:
         try:
             async for request in requests:
                 action = request.WhichOneof("action")
                 if action == "submit":
+                    if request.call_id in calls:
+                        raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT,
+                                          f"call_id: {request.call_id} is already open in this session")
                     if stopping.is_set():
                         outbox.end(request.call_id, grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")
                         continue
-                    if request.call_id in calls:
-                        outbox.end(request.call_id, grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"call_id: {request.call_id} is already open in this session")
-                        continue
-                    calls[request.call_id] = asyncio.create_task(run(request.call_id, request))
+                    task = calls[request.call_id] = asyncio.create_task(run(request.call_id, request))
+                    task.add_done_callback(functools.partial(forget, request.call_id))
                 elif action == "cancel" and (task := calls.get(request.call_id)) is not None:
+                    cancelled.add(request.call_id)
                     task.cancel()  # its handler's cleanup runs as a dropped Submit stream's would
         finally:
             outbox.ready.set()
@@ -176,6 +213,7 @@ async def serve_session(requests, submit, stopping: asyncio.Event | None = None)
         await stopping.wait()
         outbox.ready.set()
 
+    session_ending = False
     reader = asyncio.create_task(read())
     watcher = asyncio.create_task(wake_on_stop())
     try:
@@ -183,11 +221,13 @@ async def serve_session(requests, submit, stopping: asyncio.Event | None = None)
             await outbox.ready.wait()
             for batch in outbox.take():
                 yield batch
+            outbox.sent()
             if reader.done():
                 reader.result()  # the caller's stream broke or sent what does not decode: end with that
             if (reader.done() or stopping.is_set()) and not calls and not outbox.pending:
                 return
     finally:
+        session_ending = True
         watcher.cancel()
         reader.cancel()
         for task in calls.values():
