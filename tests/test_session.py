@@ -193,7 +193,8 @@ class SubmitOnly(scheduler_pb2_grpc.SchedulerServicer):
         yield scheduler_pb2.TokenEvent(finish_reason=gen.LENGTH, worker_id="old")
 
 
-def test_a_router_link_to_a_scheduler_without_session_falls_back_to_submit_calls():
+def with_submit_only_link(body):
+    """`body(link)`'s result, for a SchedulerLink to a real gRPC server of SubmitOnly over loopback."""
     async def run():
         server = grpc.aio.server()
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SubmitOnly(), server)
@@ -201,16 +202,22 @@ def test_a_router_link_to_a_scheduler_without_session_falls_back_to_submit_calls
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                link = SchedulerLink(channel, f"127.0.0.1:{port}")
-                with pytest.raises(grpc.aio.AioRpcError) as first:
-                    async for _ in link.Submit(submit([1, 2, 3]), timeout=30):
-                        pass
-                events = [e async for e in link.Submit(submit([1, 2, 3]), timeout=30)]
-                return first.value, link.legacy, events
+                return await body(SchedulerLink(channel, f"127.0.0.1:{port}"))
         finally:
             await server.stop(0)
 
-    first, legacy, events = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_router_link_to_a_scheduler_without_session_falls_back_to_submit_calls():
+    async def body(link):
+        with pytest.raises(grpc.aio.AioRpcError) as first:
+            async for _ in link.Submit(submit([1, 2, 3]), timeout=30):
+                pass
+        events = [e async for e in link.Submit(submit([1, 2, 3]), timeout=30)]
+        return first.value, link.legacy, events
+
+    first, legacy, events = with_submit_only_link(body)
     # The call that met the missing Session ends UNAVAILABLE, which the router resubmits; the next goes as Submit.
     assert first.code() == grpc.StatusCode.UNAVAILABLE and "UNIMPLEMENTED" in first.details()
     assert legacy
@@ -301,21 +308,11 @@ def test_a_session_call_whose_message_would_break_the_session_ends_alone():
 def test_a_request_too_large_for_a_session_goes_as_its_own_submit_call():
     from kvmesh.services.router.session import MAX_SESSION_SUBMIT_BYTES
 
-    async def run():
-        server = grpc.aio.server()
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SubmitOnly(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                link = SchedulerLink(channel, f"127.0.0.1:{port}")
-                huge = submit([1, 2, 3] + [30_000] * (MAX_SESSION_SUBMIT_BYTES // 3))
-                events = [e async for e in link.Submit(huge, timeout=30)]
-                return events, link
-        finally:
-            await server.stop(0)
+    async def body(link):
+        huge = submit([1, 2, 3] + [30_000] * (MAX_SESSION_SUBMIT_BYTES // 3))
+        return [e async for e in link.Submit(huge, timeout=30)], link
 
-    events, link = asyncio.run(run())
+    events, link = with_submit_only_link(body)
     # Served at once by Submit (a session call to this server would have ended UNAVAILABLE first).
     assert events[-1].worker_id == "old" and link._session is None and not link.legacy
 
