@@ -7,8 +7,9 @@ error handling are the same for both. The calls of a link share one Session stre
 first call and again after it broke; its batches are handed to the calls they are for. A
 scheduler without Session (an older release) answers UNIMPLEMENTED: the link then uses plain
 Submit calls (for LEGACY_RETRY_S, then it tries again), and the calls that were waiting on the
-session end UNAVAILABLE, which the router resubmits. A request over MAX_SESSION_SUBMIT_BYTES is a plain Submit call too: one over the
-scheduler's receive limit then fails alone instead of breaking the session under every call on it.
+session end UNAVAILABLE, which the router resubmits. A request over MAX_SESSION_SUBMIT_BYTES is a
+plain Submit call too: one over the scheduler's receive limit then fails alone instead of breaking
+the session under every call on it.
 
 When the stream breaks, every call on it ends UNAVAILABLE naming why, as a broken Submit call
 does, and the router resumes them; the scheduler, for its part, treats them as dropped streams.
@@ -125,7 +126,8 @@ class _Session:
     def close(self) -> None:
         """No new calls: the stream ends once those open have ended."""
         self.draining = True
-        self.forget(0)
+        if not self.calls:
+            self.send(None)
 
     async def _requests(self):
         while (request := await self._outgoing.get()) is not None:

@@ -50,7 +50,8 @@ class CallContext:
     def __init__(self, request: scheduler_pb2.SessionRequest):
         loop = asyncio.get_running_loop()
         self._metadata = tuple(request.metadata.items())
-        self.deadline = loop.time() + request.timeout_s if request.timeout_s > 0 else None
+        # As gRPC's: none unset (0), and none past what a deadline can mean (NaN, inf, centuries).
+        self.deadline = loop.time() + request.timeout_s if 0 < request.timeout_s < 1e9 else None
         self.trailing: tuple[tuple[str, str], ...] = ()
         # The call's finish is yielded but not sent yet: if the call ends now, it was not delivered.
         self.finish_unsent = False
