@@ -145,6 +145,22 @@ def test_an_undecodable_submit_is_refused_and_the_scheduler_serves_on(mesh, norm
     assert_finished_exact(tokens, logprobs, finish, reference)
 
 
+def test_an_undecodable_session_message_ends_that_session_alone_and_the_scheduler_serves_on(mesh, normal_prompt, reference):
+    async def garbage():
+        async with peer_channel(mesh, mesh.child("scheduler").address) as ch:
+            raw = ch.stream_stream("/kvmesh.v1.Scheduler/Session", request_serializer=None, response_deserializer=None)
+
+            async def messages():
+                yield b"\xff\xff\xff\xff\x0f"
+            return await code_of(raw(messages(), timeout=30))
+
+    [(code, details)], still_streaming, tokens, logprobs, finish = asyncio.run(
+        beside_a_normal_request(mesh, normal_prompt, [garbage]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details, details
+    assert mesh.child("scheduler").process.poll() is None
+    assert_finished_exact(tokens, logprobs, finish, reference)  # through the router's own session
+
+
 # -- router: sampling values that would make the sampler meet inf or NaN ---------------------
 
 
