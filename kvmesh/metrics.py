@@ -83,6 +83,10 @@ class RouterMetrics:
         self.prefix_lookups = Counter("kvmesh_router_prefix_lookups", "Prefix-index lookups for choosing a scheduler, "
                                       "by outcome: hit (a scheduler's worker holds a prefix), miss, or unavailable "
                                       "(kvcache did not answer in time: chosen by load).", (*m, "outcome"), registry=registry)
+        self.resumes = Counter("kvmesh_router_resumes", "Running requests resubmitted by the router after their "
+                               "scheduler call broke, by cause: scheduler (the call or its scheduler session broke: "
+                               "the scheduler died or was cut off) or worker (the request's worker was lost and no "
+                               "other of its scheduler's took it).", (*m, "cause"), registry=registry)
         # Per API key: labelled by the key's id, never the key (ids come from the keys file: bounded).
         # Made by start_keys, so that a router without keys exports no family without samples.
         self._registry = registry
@@ -116,6 +120,8 @@ class RouterMetrics:
             self.failure.labels(model, code)
         for outcome in ("hit", "miss", "unavailable"):
             self.prefix_lookups.labels(model, outcome)
+        for cause in ("scheduler", "worker"):
+            self.resumes.labels(model, cause)
 
 
 class SchedulerMetrics:

@@ -194,6 +194,17 @@ def report(row):
             f.write(json.dumps(row) + "\n")
 
 
+def router_resumes(mesh) -> dict[str, float]:
+    """The router's kvmesh_router_resumes_total by cause."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{mesh.child('router').http}/metrics", timeout=10).read().decode()
+    return {s.labels["cause"]: s.value for f in text_string_to_metric_families(text) if f.name == "kvmesh_router_resumes"
+            for s in f.samples if s.name.endswith("_total")}
+
+
 def faulted_run(mesh, undisturbed, names, min_resumes=1):
     """16 streams; `names` killed once every stream has its first message, restarted on their ports.
     A worker's or kvcache's death is no resume for the router (the scheduler moves a dead worker's
@@ -212,8 +223,13 @@ def faulted_run(mesh, undisturbed, names, min_resumes=1):
             await all_pages_returned(mesh)
             return streams, served, back
 
+    before = router_resumes(mesh)
     streams, served, back = asyncio.run(run())
     assert_exact(streams, undisturbed, min_resumes)
+    if "scheduler" in names:  # the router counts every resume its streams report, by cause
+        after = router_resumes(mesh)
+        assert after["scheduler"] + after["worker"] - before["scheduler"] - before["worker"] == \
+            sum(s.finish.resumes for s in streams) > 0, (before, after)
     lost = sum(lost_and_repeated(s.tokens, u.tokens)[0] for s, u in zip(streams, undisturbed))
     repeated = sum(lost_and_repeated(s.tokens, u.tokens)[1] for s, u in zip(streams, undisturbed))
     report({"killed": " + ".join(names), "completed": sum(s.finish.reason == gen.LENGTH for s in streams),

@@ -57,11 +57,12 @@ class RouterError(Exception):
 
 class _Lost(Exception):
     """A scheduler call that ended without the request's finish: it must be resubmitted.
-    `heard`: the call had streamed events (the request was running there)."""
+    `heard`: the call had streamed events (the request was running there). `cause`: "worker"
+    when the scheduler said the request's worker was lost, else "scheduler"."""
 
-    def __init__(self, why: str, heard: bool):
+    def __init__(self, why: str, heard: bool, cause: str = "scheduler"):
         super().__init__(why)
-        self.heard = heard
+        self.heard, self.cause = heard, cause
 
 
 async def _events_of(call):
@@ -71,7 +72,7 @@ async def _events_of(call):
     try:
         async for event in call:
             if event.worker_lost:
-                raise _Lost(f"worker {event.worker_id or '?'} was lost ({event.message})", heard=True)
+                raise _Lost(f"worker {event.worker_id or '?'} was lost ({event.message})", heard=True, cause="worker")
             heard = True
             yield event
             if event.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
@@ -498,6 +499,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                     cause = why  # what started these retries
                 if lost.heard:  # it was running: this is a resume (a refused retry is not one)
                     submit.resumes += 1
+                    self.metrics.resumes.labels(pool.name, lost.cause).inc()
                     failures, give_up = 0, None
                     log.warning("request %s: %s; resuming it after %d tokens", submit.request_id, why, len(output.token_ids))
             except grpc.aio.AioRpcError as e:
