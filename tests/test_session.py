@@ -8,6 +8,7 @@ calls that go on; a router falls back to Submit calls for a scheduler without Se
 
 import asyncio
 import signal
+import time
 
 import grpc
 import pytest
@@ -238,7 +239,9 @@ def test_a_stopping_scheduler_refuses_new_session_calls_at_once_while_open_ones_
                 idle.send(1, submit=submit(prompts[1], 2), timeout_s=120)  # ends: the session is open, no call on it
                 await idle.read_until(lambda c: ended(c, 1))
                 scheduler.process.send_signal(signal.SIGTERM)  # a graceful stop: open calls get the grace period
-                while await asyncio.to_thread(scheduler.serving):
+                deadline = time.monotonic() + 60
+                while await asyncio.to_thread(scheduler.serving):  # until its grace period began
+                    assert time.monotonic() < deadline, "the scheduler never left SERVING after SIGTERM"
                     await asyncio.sleep(0.05)
                 session.send(2, submit=submit(prompts[1]), timeout_s=120)
                 calls = await session.read_until(lambda c: ended(c, 2))
