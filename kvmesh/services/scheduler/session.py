@@ -107,11 +107,12 @@ class Outbox:
         self.ready.set()
         return entry
 
-    def event(self, call_id: int, event: scheduler_pb2.TokenEvent) -> None:
+    def event(self, call_id: int, event: scheduler_pb2.TokenEvent, size: int) -> None:
+        """`size`: event.ByteSize(), which the caller has already computed."""
         # Later events of a stream only add tokens (repeated fields) and, last, its finish (scalars).
         # A finish that says the worker was lost goes in an entry of its own: a router acts on it
         # before reading its message's tokens, and the tokens before it must reach the client.
-        self._entry(call_id, event.ByteSize(), alone=event.worker_lost).event.MergeFrom(event)
+        self._entry(call_id, size, alone=event.worker_lost).event.MergeFrom(event)
 
     def end(self, call_id: int, code: grpc.StatusCode, details: str = "", trailing=()) -> None:
         entry = self._entry(call_id, len(details) + 16)
@@ -164,7 +165,7 @@ async def serve_session(requests, submit, stopping: asyncio.Event | None = None)
                             raise CallAborted(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                               f"a stream message of {size} bytes is over the session's limit of "
                                               f"{MAX_EVENT_BYTES} (prompt logprobs of a long prompt: ask for fewer)")
-                        outbox.event(call_id, event)
+                        outbox.event(call_id, event, size)
                         if event.finish_reason:
                             # As a Submit stream's finish counts as delivered once grpc has sent it: the
                             # handler ends (and releases the request) only after the writer sent it.
