@@ -223,3 +223,95 @@ def test_the_kv_write_refuses_a_slot_outside_the_cache_and_writes_nothing():
     rows_t = torch.ones(2, 16, 2).transpose(1, 2)
     write_kv(kc, vc, torch.tensor([1, 2]), rows_t, rows_t)
     assert kc[1:3].eq(1).all() and kc[0].eq(0).all() and kc[3:].eq(0).all()
+
+
+def _fused():
+    ops = native.fused_ops()
+    if ops is None:
+        pytest.skip("kvmesh's C++ kernels are not built here")
+    return ops
+
+
+# Row counts: one (a decode step of one sequence, on the calling thread), a few, and enough to be
+# split between threads; widths: vector multiples and a tail (172 = 10 vectors of 16 + 12).
+FUSED_ROWS = [1, 7, 300]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", FUSED_ROWS)
+def test_fused_rotary_equals_transformers_operators_bit_for_bit(dtype, rows):
+    """In place on q and k as they sit in the fused q|k|v projection (a strided view), equal to
+    x * cos + rotate_half(x) * sin computed by torch's operators in the same dtype."""
+    ops = _fused()
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, dim = 12, 4, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+    angles = torch.randn(rows, dim // 2, generator=g) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    rotate_half = torch.cat((-qk[..., dim // 2 :], qk[..., : dim // 2]), dim=-1)
+    want = qk * cos[:, None] + rotate_half * sin[:, None]
+    signed_sin = torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1)
+    ops.rotary_(qk, cos, signed_sin)
+    assert torch.equal(qk, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # V, beside them, untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", FUSED_ROWS)
+@pytest.mark.parametrize("width", [2048, 172])
+def test_fused_silu_mul_equals_transformers_operators(dtype, rows, width):
+    """silu(gate) * up, each rounded to the dtype as transformers' two operators round it: equal bit
+    for bit, except that float32 tails (past the last full vector of a row) may differ in the last
+    bits (one unit of silu's, carried through the product), torch computing them with the C
+    library's exp."""
+    ops = _fused()
+    g = torch.Generator().manual_seed(width + rows)
+    gate_up = (torch.randn(rows, 2 * width, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want, got = F.silu(gate) * up, ops.silu_mul(gate_up)
+    assert got.shape == (rows, width) and got.dtype == dtype
+    if dtype == torch.float32 and width % 16:
+        full = width - width % 16
+        assert torch.equal(got[:, :full], want[:, :full])
+        torch.testing.assert_close(got, want, rtol=2 * torch.finfo(dtype).eps, atol=1e-30)
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", FUSED_ROWS)
+def test_fused_rms_norm_rounds_where_transformers_rounds(dtype, rows):
+    """transformers' LlamaRMSNorm in half precision: normalized in float32, rounded, then scaled by
+    the weight in the dtype. Rows are summed in another order than torch's mean, so a value on a
+    rounding boundary may land one unit of the last place away before it is scaled: at most 1% of
+    values, by at most two units of the result's last place."""
+    ops = _fused()
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 768, generator=g) * 3).to(dtype)
+    w = torch.randn(768, generator=g).to(dtype)
+    h = x.float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    got = ops.rms_norm(x, w, 1e-6)
+    differ = got != want
+    assert differ.float().mean() <= 0.01
+    ulp = torch.finfo(dtype).eps * want.float().abs()
+    assert ((got.float() - want.float()).abs()[differ] <= 2 * ulp[differ]).all()
+    # strided rows (every other row of a larger tensor) read where they are
+    assert torch.equal(ops.rms_norm(x[::2], w, 1e-6), got[::2])
+
+
+def test_fused_operators_refuse_what_they_cannot_compute():
+    ops = _fused()
+    with pytest.raises(RuntimeError, match="silu_mul: gate_up must have an even number of columns"):
+        ops.silu_mul(torch.ones(2, 5))
+    with pytest.raises(RuntimeError, match="dtype must be float32, bfloat16 or float16"):
+        ops.silu_mul(torch.ones(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"rotary_: cos and sin must be \[tokens, head_dim\] = \[3, 8\]"):
+        ops.rotary_(torch.ones(3, 2, 8), torch.ones(2, 8), torch.ones(3, 8))
+    with pytest.raises(RuntimeError, match="rms_norm: weight must be contiguous with x's 8 columns"):
+        ops.rms_norm(torch.ones(3, 8, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="last dimension must be contiguous"):
+        ops.silu_mul(torch.ones(8, 4).t())

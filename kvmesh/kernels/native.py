@@ -1,8 +1,9 @@
 """kvmesh's own C++ kernels, compiled on first use with torch's extension builder.
 
-`decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator and `write_kv()`
-`torch.ops.kvmesh.write_kv_`, or None when they cannot be used here (no C++ compiler,
-`KVMESH_NATIVE_KERNELS=0`); callers then take the portable path. Both are in one library. The
+`decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator, `write_kv()`
+`torch.ops.kvmesh.write_kv_` and `fused_ops()` the fused elementwise operators (`rms_norm`,
+`rotary_`, `silu_mul`), or None when they cannot be used here (no C++ compiler,
+`KVMESH_NATIVE_KERNELS=0`); callers then take the portable path. All are in one library. The
 build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), so it
 costs about ten seconds once per machine and source version; `make install` runs it
 (`python -m kvmesh.kernels.native`). The build folder is named by a hash of the sources and
@@ -30,12 +31,18 @@ import torch
 
 log = logging.getLogger("kvmesh.kernels")
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "kv_write.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "kv_write.cpp", "fused_ops.cpp")]
+# Each ISA's compiler flags, and the CPU_CAPABILITY torch builds the same code for: ATen's vector
+# types (used by fused_ops.cpp) take their intrinsics and Sleef functions from it.
 _ISA_FLAGS = {
-    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "base": [],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "base": ["-DCPU_CAPABILITY=DEFAULT"],
 }
+# No multiply and add fused into one rounding where the source does not ask for it: the fused
+# elementwise operators promise torch's float32 results.
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
 
 # A build takes seconds; a lock file much older than that was left by a process killed while it
@@ -66,7 +73,7 @@ def library_path() -> Path:
     from torch.utils import cpp_extension
 
     isa = _isa()
-    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[isa]]
+    cflags = [*_CFLAGS, *_ISA_FLAGS[isa]]
     digest = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + " ".join(cflags).encode()).hexdigest()[:12]
     name = f"kvmesh_attention_{isa}_{digest}"
     return Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
@@ -77,7 +84,7 @@ def _library() -> bool:
     """Loads (building on first use) the library of kvmesh's operators; False where it cannot be built."""
     if os.environ.get("KVMESH_NATIVE_KERNELS", "1") == "0":
         return False
-    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[_isa()]]
+    cflags = [*_CFLAGS, *_ISA_FLAGS[_isa()]]
     try:
         from torch.utils import cpp_extension
 
@@ -99,6 +106,13 @@ def _library() -> bool:
 def decode_attention():
     """The decode attention operator, built on first call; None where it cannot be built."""
     return torch.ops.kvmesh.decode_attention_ if _library() else None
+
+
+@cache
+def fused_ops():
+    """The fused elementwise operators (`rms_norm`, `rotary_`, `silu_mul`) as a namespace with those
+    attributes; None where the library cannot be built."""
+    return torch.ops.kvmesh if _library() else None
 
 
 @cache

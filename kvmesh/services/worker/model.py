@@ -5,6 +5,10 @@ embeddings from a float32 table, softmax attention, SiLU-gated MLP) so greedy to
 Projections are fused at load time (q|k|v and gate|up) so one step runs few, large matrix
 products; logits are computed only for the rows that are sampled.
 
+On the CPU, a layer's elementwise steps (half-precision RMSNorm, the rotary embedding, SiLU(gate) *
+up) are kvmesh's fused C++ operators (`kernels/csrc/fused_ops.cpp`), one pass each where torch
+runs three to eight operators, rounding where transformers' operators round.
+
 Weights, rotary tables and the KV cache live on the model's device. Attention is planned once
 per step for that device (`kernels.attention.plan_attention`): kvmesh's C++ decode kernel on the
 CPU, its Triton kernels on CUDA, torch's attention where neither applies.
@@ -91,8 +95,9 @@ class CausalLM:
         self.norm = w["model.norm.weight"]
         self.lm_head = PackedLinear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
-        if self.device.type == "cpu":
-            native.decode_attention()  # found or compiled now, at load, rather than in the first request
+        # kvmesh's fused RMSNorm, rotary and SiLU-mul on the CPU (torch's operators elsewhere);
+        # found or compiled now, at load, rather than in the first request
+        self.fused = native.fused_ops() if self.device.type == "cpu" else None
         self.scale = cfg.head_dim**-0.5
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * rope_inv_freq(cfg)[None, :]
@@ -142,6 +147,8 @@ class CausalLM:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op where transformers' float32 math is six
             return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
+        if self.fused is not None:  # half precision: transformers' eight operators and roundings in one
+            return self.fused.rms_norm(x, weight, self.cfg.rms_norm_eps)
         h = x.float()  # half precision: normalized in float32, rounded, then scaled, as transformers does
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return weight * h.to(x.dtype)
@@ -159,8 +166,8 @@ class CausalLM:
         cfg = self.cfg
         t = batch.token_ids.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.signed_sin[batch.positions].unsqueeze(1)
+        cos, sin = self.cos[batch.positions], self.signed_sin[batch.positions]
+        fused = self.fused
         heads = cfg.num_heads
         x = self.embed[batch.token_ids]
         attention = plan_attention(batch.seqs, self.device, self.attention_backend, batch.page_size,
@@ -171,7 +178,11 @@ class CausalLM:
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h)
             # q and k rotated together: they are adjacent in the fused projection
-            qk = self._rotate(qkv[:, : q_size + kv_size].view(t, heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            qk = qkv[:, : q_size + kv_size].view(t, heads + cfg.num_kv_heads, cfg.head_dim)
+            if fused is not None:
+                fused.rotary_(qk, cos, sin)
+            else:
+                qk = self._rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             if kv_rows is None:
@@ -181,7 +192,12 @@ class CausalLM:
             attn = attention(q, k_cache[i], v_cache[i], self.scale)
             x = layer.o(attn.reshape(t, q_size), residual=x)
             h = self._rms_norm(x, layer.post_attention_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = layer.down(F.silu(gate).mul_(up), residual=x)
+            gate_up = layer.gate_up(h)
+            if fused is not None:
+                act = fused.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate).mul_(up)
+            x = layer.down(act, residual=x)
         x = self._rms_norm(x[batch.logit_rows], self.norm)
         return self.lm_head(x).float()
