@@ -1,6 +1,7 @@
 """Per-step cost outside the model's math, at KV pools of 10^4, 10^5 and 10^6 pages.
 
     cd bench && ../.venv/bin/python scheduler_step.py [scheduler|worker|both] [STEPS]
+    cd bench && ../.venv/bin/python scheduler_step.py burst [N ...]
 
 `scheduler`: the scheduler's CPU time (thread time) per step with 256 running sequences, as its batching loop
 spends it: schedule(), the plan to protobuf, the worker's answer from protobuf, update(), and the
@@ -16,6 +17,10 @@ sequences on a tiny model whose KV pool has the same page counts (bfloat16, one 
 on one torch thread.
 Prints mean and median milliseconds per step and the ratio of the 10^6-page step to the
 10^4-page step (the target: within 1.25x, and under 2 ms for the scheduler).
+`burst`: the scheduler's CPU time for a burst of N requests submitted at once to one worker
+(10^6 pages; default N: 640, 2,560, 10,240), as each submit spends it on that worker: the
+overload estimate (the newcomer's wait behind the queue) and queueing the request. Prints the
+milliseconds per submit, which should not grow with N.
 """
 
 from __future__ import annotations
@@ -142,6 +147,28 @@ def worker_steps(num_pages: int, steps: int) -> list[float]:
     return times
 
 
+def burst(n: int) -> float:
+    """Thread seconds of `n` submits at once, each estimated and queued on one worker's loop."""
+    from prometheus_client import CollectorRegistry
+
+    from kvmesh.metrics import SchedulerMetrics
+    from kvmesh.services.config import SchedulerServiceConfig
+    from kvmesh.services.scheduler.worker_loop import WorkerLoop
+    from kvmesh.v1 import worker_pb2
+
+    info = worker_pb2.WorkerInfo(num_pages=10**6, page_size=16, max_context=4096)
+    loop = WorkerLoop({"id": "w", "address": "w:1"}, info, SchedulerServiceConfig(), None,
+                      SchedulerMetrics(CollectorRegistry()))
+    loop.throughput.record(2048, 1.0, sequences=8)  # measured rates, as after a warm-up: estimates are not 0
+    loop.throughput.record(64, 0.05, sequences=64)
+    burst = list(requests(random.Random(0), n, 0))
+    t0 = time.thread_time()
+    for req in burst:
+        loop.estimated_wait_s(req)
+        loop.submit(req, [], 0)
+    return time.thread_time() - t0
+
+
 def report(name: str, measure, steps: int) -> None:
     per = {}
     for pages in POOLS:
@@ -154,6 +181,12 @@ def report(name: str, measure, steps: int) -> None:
 
 def main() -> None:
     which = sys.argv[1] if len(sys.argv) > 1 else "both"
+    if which == "burst":
+        for n in map(int, sys.argv[2:] or (640, 2560, 10240)):
+            seconds = burst(n)
+            print(f"burst of {n:>6,} submits: {1000 * seconds:8.1f} ms in all, {1000 * seconds / n:.3f} ms per submit",
+                  flush=True)
+        return
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 600
     if which in ("scheduler", "both"):
         report("scheduler", scheduler_steps, steps)

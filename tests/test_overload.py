@@ -155,6 +155,104 @@ def test_a_burst_that_fits_the_free_slots_waits_for_its_prefill_not_for_its_outp
     assert slow == pytest.approx(wait + 3 * 136 * meter.decode_step_s(32))
 
 
+def from_scratch_wait_s(loop, req, now):
+    """A worker's wait estimate for `req` computed whole, every request walked (as before the walk
+    was kept between submits): what the kept walk must give."""
+    lengths, ahead = loop.output_lengths, loop.core.waiting_ahead_of(req)
+    slots = min(loop.core.seq_limit, loop.core.config.max_num_seqs)
+    wait = start_wait_s([loop._queued(r, lengths) for r in loop.core.running], [loop._queued(r, lengths) for r in ahead],
+                        slots, loop.pool.num_pages, loop._queued(req).pages, loop.throughput)
+    oldest = min((r.arrival_time for r in ahead if r.first_scheduled_time is None), default=now)
+    return max(wait, now - oldest)
+
+
+def run_step(loop, plan):
+    """The worker's answer to `plan` (a token for every sequence whose prompt is done), applied
+    as the batching loop applies it."""
+    from kvmesh.step import SampledToken, StepResult
+
+    requests = loop.core.requests
+    done = [c.seq_id for c in plan.scheduled
+            if requests[c.seq_id].num_computed_tokens + c.num_tokens >= requests[c.seq_id].num_tokens]
+    events = loop.core.update(plan, StepResult([SampledToken(seq_id, 7, 0.0) for seq_id in done]))
+    loop._note_finishes(events)
+    loop._account(0.0, 0.0, 0.0, 0.0)
+    loop.throughput.record(plan.num_tokens, 0.002 * plan.num_tokens + 0.01, len(plan.scheduled))
+    for e in events:
+        if e.finish_reason is not None:
+            loop.done(e.request.request_id, [], finished=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_wait_estimate_kept_between_submits_equals_the_estimate_computed_whole(monkeypatch, seed):
+    """The scheduler keeps its walk of a worker's queue between submits (a burst would otherwise
+    cost O(n^2)); whatever happens between two estimates (submits behind the queue or, by
+    priority, ahead of it, steps, preemption, cancels, finishes, a submit while a step is out),
+    the estimate is the one computed from scratch."""
+    from test_placement import worker_loop
+
+    rng = random.Random(seed)
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    loop = worker_loop(num_pages=320)  # 5,120 tokens: pages run short, requests are preempted
+    loop.core.seq_limit = 8  # and slots fill: the walk waits for both
+    loop.throughput.record(1024, 0.4, sequences=4)  # a prefill rate, so estimates are not 0
+    compared = nonzero = 0
+    plan = None
+    for i in range(400):
+        clock[0] += rng.uniform(0.0, 0.05)
+        roll = rng.random()
+        if roll < 0.67:
+            moved = roll < 0.07  # from a failed worker: queued by its first arrival, no estimate asked
+            prompt = [rng.randrange(3, 1000) for _ in range(rng.randrange(16, 2000))]  # no prefix shared
+            req = Request(f"r{i}", prompt, SamplingParams(),
+                          StoppingParams(max_new_tokens=rng.randrange(1, 300), ignore_eos=rng.random() < 0.5),
+                          priority=rng.choice([0, 0, 0, 0, 1, -1]),
+                          arrival_time=clock[0] - (rng.uniform(1.0, 20.0) if moved else 0.0))
+            if not moved:
+                wait = loop.estimated_wait_s(req)
+                assert wait == pytest.approx(from_scratch_wait_s(loop, req, clock[0]), rel=1e-9, abs=1e-12)
+                compared, nonzero = compared + 1, nonzero + (wait > 0)
+            loop.submit(req, [], 0)
+        elif roll < 0.9:  # steps, the last one's result applied after the next operations
+            if plan is not None:
+                run_step(loop, plan)
+            for _ in range(rng.randrange(8)):
+                if loop.core.has_unfinished():
+                    run_step(loop, loop.schedule())
+            plan = loop.schedule() if loop.core.has_unfinished() else None
+        elif loop.core.requests:
+            loop.done(rng.choice(sorted(loop.core.requests)), [], finished=False)  # a cancel
+            plan = None  # the cancelled request may be in the plan out: the loop would fail it
+    assert compared > 200 and nonzero > 100 and loop.core.num_preemptions > 0
+
+
+def test_a_burst_of_submits_walks_each_queued_request_once():
+    """Each submit's wait estimate walks the queue from where the last one stopped: a burst of n
+    submits builds O(n) of the estimate's request records (`_queued`), not n^2 / 2."""
+    from test_placement import worker_loop
+
+    loop = worker_loop()
+    loop.throughput.record(1024, 0.4, sequences=4)
+    built = 0
+    queued = loop._queued
+
+    def counted(*args):
+        nonlocal built
+        built += 1
+        return queued(*args)
+
+    loop._queued = counted
+    n = 500
+    waits = []
+    for i in range(n):
+        req = Request(f"r{i}", [5] * 300, SamplingParams(), StoppingParams(max_new_tokens=100))
+        waits.append(loop.estimated_wait_s(req))
+        loop.submit(req, [], 0)
+    assert waits == sorted(waits) and waits[-1] > waits[0]  # each one queued behind all before it
+    assert built <= 3 * n  # the newcomer's, the walk's of the one before it, the load sum's: were n * (n + 1) / 2 more
+
+
 @pytest.fixture(scope="module")
 def small_mesh(model_dir):
     # One worker with 4 MiB of KV (about 24 of these requests at once), a 10 s queue-wait limit.

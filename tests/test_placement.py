@@ -39,8 +39,8 @@ def test_unknown_policy_is_an_error_naming_the_setting():
         raise AssertionError("accepted an unknown policy")
 
 
-def worker_loop():
-    """A scheduler's loop for one worker (4,096 pages of 16 tokens), not connected to any."""
+def worker_loop(num_pages: int = 4096):
+    """A scheduler's loop for one worker (`num_pages` pages of 16 tokens), not connected to any."""
     from prometheus_client import CollectorRegistry
 
     from kvmesh.metrics import SchedulerMetrics
@@ -48,7 +48,7 @@ def worker_loop():
     from kvmesh.services.scheduler.worker_loop import WorkerLoop
     from kvmesh.v1 import worker_pb2
 
-    return WorkerLoop({"id": "w", "address": "w:1"}, worker_pb2.WorkerInfo(num_pages=4096, page_size=16, max_context=4096),
+    return WorkerLoop({"id": "w", "address": "w:1"}, worker_pb2.WorkerInfo(num_pages=num_pages, page_size=16, max_context=4096),
                       SchedulerServiceConfig(), None, SchedulerMetrics(CollectorRegistry()))
 
 

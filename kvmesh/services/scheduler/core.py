@@ -122,7 +122,11 @@ class Scheduler:
 
     def waiting_ahead_of(self, request: Request) -> list[Request]:
         """The waiting requests that admission would take before `request` were it queued now."""
-        return self.waiting[:bisect.bisect_right(self.waiting, self._admission_key(request), key=self._admission_key)]
+        return self.waiting[:self.ahead_count(request)]
+
+    def ahead_count(self, request: Request) -> int:
+        """How many waiting requests admission would take before `request` (they lead `waiting`)."""
+        return bisect.bisect_right(self.waiting, self._admission_key(request), key=self._admission_key)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> TokenEvent | None:
         """Ends a request now and frees its pages; None if it is unknown or already finished."""

@@ -144,41 +144,91 @@ class OutputLengths:
         return min(at_most, self._sorted[first + beyond // 2] - generated)
 
 
+class QueueWalk:
+    """The queue as admission will serve it, walked request by request and kept between
+    estimates: the running requests' ends (the step each ends at, the pages it frees), what is
+    free after admitting the waiting requests walked so far, the decode steps that took, and their
+    prefill. A newcomer's wait is read off the walk without changing it, so a queue that only
+    grows at its tail (a burst of submits) is walked once, O(log n) per request, not once per
+    newcomer (O(n) each, O(n^2) over a burst). Each request holds one of `slots` and its pages
+    until its outputs are done (one per step), the pool has `pages`, and a step of a batch of b
+    sequences takes step_s(b)."""
+
+    def __init__(self, running: list[Queued], slots: int, pages: int, step_s: Callable[[int], float]):
+        self.ends = [(r.outputs, r.pages) for r in running]
+        heapq.heapify(self.ends)
+        self.free_slots, self.free_pages = slots - len(running), pages - sum(r.pages for r in running)
+        self.now, self.seconds = 0, 0.0  # the step the walk has reached, and the seconds of steps to it
+        self.prefill = sum(r.prefill for r in running)
+        self.step_s = step_s
+
+    def _until_fits(self, pages: int) -> list[tuple[int, int]]:
+        """Runs decode steps until a request of `pages` pages gets a slot and its pages (or nothing
+        is left to end); returns the ends it passed."""
+        passed = []
+        while (self.free_slots <= 0 or self.free_pages < pages) and self.ends:
+            batch = len(self.ends)
+            step, freed = heapq.heappop(self.ends)
+            passed.append((step, freed))
+            if step > self.now:
+                self.seconds += (step - self.now) * self.step_s(batch)
+                self.now = step
+            self.free_slots, self.free_pages = self.free_slots + 1, self.free_pages + freed
+        return passed
+
+    def admit(self, r: Queued) -> None:
+        """The next waiting request, admitted as soon as it fits; it then runs for its outputs."""
+        self._until_fits(r.pages)
+        heapq.heappush(self.ends, (self.now + r.outputs, r.pages))
+        self.free_slots, self.free_pages = self.free_slots - 1, self.free_pages - r.pages
+        self.prefill += r.prefill
+
+    def decode_s(self, newcomer_pages: int) -> float:
+        """Seconds of decode steps until a newcomer of `newcomer_pages` pages, behind the walked
+        requests, would start; the walk is left as it was."""
+        kept = (self.free_slots, self.free_pages, self.now, self.seconds)
+        passed = self._until_fits(newcomer_pages)
+        seconds = self.seconds
+        for end in passed:
+            heapq.heappush(self.ends, end)
+        self.free_slots, self.free_pages, self.now, self.seconds = kept
+        return seconds
+
+    def start_s(self, newcomer_pages: int, prefill_tokens_per_s: float) -> float:
+        """Seconds until the newcomer would start: the prefill ahead of it at the prefill rate,
+        plus the decode steps until its turn."""
+        return self.prefill / prefill_tokens_per_s + self.decode_s(newcomer_pages)
+
+
+def decode_step_s(throughput: Throughput) -> Callable[[int], float]:
+    """A decode step's seconds by batch size, from the line fitted once to the measured steps (0
+    before any step)."""
+    fixed, per_sequence = throughput.decode_line() or (0.0, 0.0)
+    return lambda batch: fixed + per_sequence * batch
+
+
 def decode_wait_s(running: list[Queued], waiting: list[Queued], slots: int, pages: int, newcomer_pages: int,
                   step_s: Callable[[int], float]) -> float:
     """Seconds of decode steps until a request needing `newcomer_pages`, queued behind `waiting`
-    (in admission order), gets a batch slot and its pages, when each request holds one of `slots`
-    and its pages until its outputs are done (one per step), the pool has `pages`, and a step of
-    a batch of b sequences takes step_s(b)."""
-    ends = [(r.outputs, r.pages) for r in running]  # (the step it ends at, the pages it frees)
-    heapq.heapify(ends)
-    free_slots, free_pages = slots - len(running), pages - sum(r.pages for r in running)
-    now, seconds = 0, 0.0
-    for r in [*waiting, Queued(0, 0, newcomer_pages)]:
-        while (free_slots <= 0 or free_pages < r.pages) and ends:
-            batch = len(ends)
-            step, freed = heapq.heappop(ends)
-            if step > now:
-                seconds += (step - now) * step_s(batch)
-                now = step
-            free_slots, free_pages = free_slots + 1, free_pages + freed
-        heapq.heappush(ends, (now + r.outputs, r.pages))
-        free_slots, free_pages = free_slots - 1, free_pages - r.pages
-    return seconds
+    (in admission order), gets a batch slot and its pages (`QueueWalk`)."""
+    walk = QueueWalk(running, slots, pages, step_s)
+    for r in waiting:
+        walk.admit(r)
+    return walk.decode_s(newcomer_pages)
 
 
 def start_wait_s(running: list[Queued], waiting: list[Queued], slots: int, pages: int, newcomer_pages: int,
                  throughput: Throughput) -> float:
     """Seconds until a request needing `newcomer_pages` and queued now would start (0 when
     nothing is measured yet): the prefill ahead of it at the measured prefill rate, plus the
-    decode steps until its turn (`decode_wait_s`) at the measured step time of their batch."""
+    decode steps until its turn at the measured step time of their batch (`QueueWalk`)."""
     prefill_rate = throughput.prefill_tokens_per_s
     if prefill_rate is None:
         return 0.0
-    prefill = sum(r.prefill for r in running) + sum(r.prefill for r in waiting)
-    fixed, per_sequence = throughput.decode_line() or (0.0, 0.0)  # fitted once, used at every step below
-    decode_s = decode_wait_s(running, waiting, slots, pages, newcomer_pages, lambda b: fixed + per_sequence * b)
-    return prefill / prefill_rate + decode_s
+    walk = QueueWalk(running, slots, pages, decode_step_s(throughput))
+    for r in waiting:
+        walk.admit(r)
+    return walk.start_s(newcomer_pages, prefill_rate)
 
 
 def estimated_wait_s(queued_tokens: int, tokens_per_s: float | None) -> float:

@@ -158,9 +158,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return sum(len(w.core.waiting) for w in self.workers.values() if w.alive)
 
     def retry_hint_s(self) -> float:
-        """About how long the pool's queue takes to drain: its tokens over the serving workers' recent throughput."""
+        """About how long the pool's work takes to drain: the tokens its requests still have to
+        compute or generate over the serving workers' recent throughput (each worker's sum is
+        kept up by submits and steps: a flood of refusals does not walk the queue for each)."""
         serving = [w for w in self.workers.values() if w.alive and not w.draining]
-        tokens = sum(w.estimated_tokens(r) for w in serving for r in w.core.waiting)
+        tokens = sum(w.queued_tokens() for w in serving)
         rates = [w.throughput.tokens_per_s for w in serving]
         return max(MIN_RETRY_S, estimated_wait_s(tokens, sum(r for r in rates if r)))
 

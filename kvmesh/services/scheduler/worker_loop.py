@@ -31,10 +31,10 @@ from kvmesh.services import wire
 from kvmesh.services.config import SchedulerServiceConfig
 from kvmesh.services.scheduler.core import Scheduler, TokenEvent
 from kvmesh.services.scheduler.kv_events import KVPublisher, TracedPagePool
-from kvmesh.services.scheduler.overload import OutputLengths, Queued, Throughput, start_wait_s
+from kvmesh.services.scheduler.overload import OutputLengths, Queued, QueueWalk, Throughput, decode_step_s
 from kvmesh.services.scheduler.placement import WorkerView
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
-from kvmesh.step import SampledToken, StepResult
+from kvmesh.step import SampledToken, StepPlan, StepResult
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("kvmesh.scheduler")
@@ -74,6 +74,20 @@ class Fetch:
     first_page: int
     hashes: list[bytes]
     task: asyncio.Task | None = field(default=None, repr=False)
+
+
+@dataclass
+class WalkedQueue:
+    """The wait estimate's walk of a worker's queue, valid while the worker's epoch stays `epoch`:
+    its first `count` waiting requests walked, `last` the last of them (a request inserted ahead
+    of it moves it, which shows that the walk no longer matches the queue), `oldest` the earliest
+    arrival among those not yet started."""
+
+    walk: QueueWalk
+    epoch: int
+    count: int = 0
+    last: Request | None = None
+    oldest: float = float("inf")
 
 
 @dataclass
@@ -130,6 +144,7 @@ class WorkerLoop:
         self._step_hist, self._batch_hist, self._tokens_hist = self.metrics.step, self.metrics.batch_size, self.metrics.step_tokens
         self._preemptions_seen = 0
         self._load, self._load_epoch, self._load_summed_at = 0, 0, -1  # queued_tokens' running sum
+        self._walked: WalkedQueue | None = None  # the wait estimate's walk of the queue, kept within an epoch
 
     def view(self, hashes: list[bytes]) -> WorkerView:
         """What placement needs to know about this worker for a prompt with these page hashes."""
@@ -152,18 +167,35 @@ class WorkerLoop:
         return self._load
 
     def estimated_wait_s(self, req: Request) -> float:
-        """Seconds until `req`, queued now, would start (overload.start_wait_s over this worker's
+        """Seconds until `req`, queued now, would start (overload.QueueWalk over this worker's
         running requests and the waiting ones admitted before it), or the longest one of those has
         waited so far if more (a queue moving slower than the estimate, the machine slowed down,
         shows there)."""
         now = time.monotonic()
-        ahead = self.core.waiting_ahead_of(req)
-        oldest = min((r.arrival_time for r in ahead if r.first_scheduled_time is None), default=now)
-        slots = min(self.core.seq_limit, self.core.config.max_num_seqs)
-        lengths = self.output_lengths  # outputs that may end on their own: as long as recent ones ran
-        running, waiting = [self._queued(r, lengths) for r in self.core.running], [self._queued(r, lengths) for r in ahead]
-        wait = start_wait_s(running, waiting, slots, self.pool.num_pages, self._queued(req).pages, self.throughput)
-        return max(wait, now - oldest)
+        walked = self._walk_ahead_of(req)
+        rate = self.throughput.prefill_tokens_per_s
+        wait = walked.walk.start_s(self._queued(req).pages, rate) if rate else 0.0
+        return max(wait, now - min(walked.oldest, now))
+
+    def _walk_ahead_of(self, req: Request) -> WalkedQueue:
+        """The queue walked up to `req`'s place, kept from the last estimate when nothing changed
+        since but submits behind its end (a step, a removal or an insertion ahead of it walks it
+        again from the running requests): a burst of n submits walks each request once."""
+        ahead, waiting, walked = self.core.ahead_count(req), self.core.waiting, self._walked
+        if (walked is None or walked.epoch != self._load_epoch or walked.count > ahead
+                or (walked.count and waiting[walked.count - 1] is not walked.last)):
+            lengths = self.output_lengths  # outputs that may end on their own: as long as recent ones ran
+            slots = min(self.core.seq_limit, self.core.config.max_num_seqs)
+            walk = QueueWalk([self._queued(r, lengths) for r in self.core.running], slots, self.pool.num_pages,
+                             decode_step_s(self.throughput))
+            walked = self._walked = WalkedQueue(walk, self._load_epoch)
+        for r in waiting[walked.count:ahead]:
+            walked.walk.admit(self._queued(r, self.output_lengths))
+            if r.first_scheduled_time is None:
+                walked.oldest = min(walked.oldest, r.arrival_time)
+            walked.last = r
+        walked.count = ahead
+        return walked
 
     def _queued(self, r: Request, lengths: OutputLengths | None = None) -> Queued:
         return Queued.of(r, max(r.num_computed_tokens, self.expected_hits.get(r.request_id, 0)), self.pool.page_size,
@@ -336,11 +368,7 @@ class WorkerLoop:
                         pending_read.result()  # raises the stream's error, if it has one
                         raise WorkerGone("the worker closed its step stream")
                 t0 = time.perf_counter()
-                if self.ramp is not None:
-                    self.core.seq_limit = self.ramp.limit(time.monotonic())
-                    self.ramp = None if self.core.seq_limit >= self.core.config.max_num_seqs else self.ramp
-                plan = self.core.schedule()
-                self.pool.trace_opened()
+                plan = self.schedule()
                 step += 1
                 self._count_admissions(plan)
                 t1 = time.perf_counter()
@@ -385,6 +413,16 @@ class WorkerLoop:
             self._fail(list(self.core.requests), message)
             self.publisher.close()
             await shipper
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan (the admission ramp's batch limit first, while it lasts)."""
+        if self.ramp is not None:
+            self.core.seq_limit = self.ramp.limit(time.monotonic())
+            self.ramp = None if self.core.seq_limit >= self.core.config.max_num_seqs else self.ramp
+        plan = self.core.schedule()
+        self._load_epoch += 1  # requests admitted, preempted or given chunks: the queue changed
+        self.pool.trace_opened()
+        return plan
 
     def _note_finishes(self, events: list[TokenEvent]) -> None:
         """Output lengths of the requests that ended on their own or at max_new_tokens, for the estimate."""
