@@ -350,6 +350,85 @@ def test_clients_of_a_killed_router_resume_through_another_with_their_request_id
             "streams": len(streams), "lost": 0, "repeated": 0, "new_request_s": 0.0, "back_s": round(back, 1)})
 
 
+OLD_GRACE_S = 2.0  # what SIGTERM gave a router's gRPC calls in flight before --drain-s
+
+
+def test_a_router_stopped_for_a_rolling_update_takes_no_new_calls_and_lets_those_in_flight_go_on(mesh):
+    """SIGTERM, as an orchestrator replacing the router sends it: both ports stop taking calls
+    (a new gRPC call is UNAVAILABLE, the HTTP port refuses connections) while the streams in
+    flight on both go on, past the 2 s gRPC calls were given before; once the last one ends the
+    router exits 0 without waiting out --drain-s (30 s)."""
+    router = mesh.child("router")
+    http_port = int(router.http.rsplit(":", 1)[1])
+    in_flight = gen.GenerateRequest(prompt="a stream through a rolling update", sampling=gen.SamplingParams(temperature=0.0),
+                                    stopping=gen.StoppingParams(max_new_tokens=LONG_REQUEST, ignore_eos=True))
+    probe = gen.GenerateRequest(prompt="a probe", stopping=gen.StoppingParams(max_new_tokens=1))
+    body = {"model": "default", "prompt": "an http stream through a rolling update", "max_tokens": LONG_REQUEST,
+            "stream": True, "temperature": 0, "ignore_eos": True}
+
+    async def refused_grpc(stub):
+        try:
+            async for _ in stub.Generate(probe, timeout=RECOVER_S):
+                pass
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+            return True
+        return False
+
+    async def refused_http():
+        try:
+            async with aiohttp.ClientSession() as fresh, fresh.get(f"http://127.0.0.1:{http_port}/health"):
+                return False
+        except aiohttp.ClientConnectorError:
+            return True
+
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch, aiohttp.ClientSession() as http:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            call = stub.Generate(in_flight, timeout=RECOVER_S)
+            grpc_stream = Stream()
+            grpc_stream.take(await call.read())
+            http_stream = await http.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body)
+            assert http_stream.status == 200 and (await http_stream.content.readline()).startswith(b"data:")
+            signalled = time.monotonic()
+            router.process.send_signal(signal.SIGTERM)
+            grpc_refused = http_refused = False
+            while not (grpc_refused and http_refused):  # the stop takes a moment to begin
+                assert time.monotonic() - signalled < RECOVER_S, "the stopping router still takes new calls"
+                grpc_refused = grpc_refused or await refused_grpc(generation_pb2_grpc.GenerationStub(ch))
+                http_refused = http_refused or await refused_http()
+            refused = time.monotonic()
+            read = {"grpc": 0, "http": 0}
+
+            async def read_grpc():
+                while time.monotonic() - refused < OLD_GRACE_S + 3:
+                    response = await call.read()
+                    assert response is not grpc.aio.EOF and not response.HasField("finish"), response
+                    read["grpc"] += len(response.tokens)
+
+            async def read_http():
+                while time.monotonic() - refused < OLD_GRACE_S + 3:
+                    line = await http_stream.content.readline()
+                    assert line, "the HTTP stream was cut"
+                    if line.startswith(b"data:"):
+                        chunk = json.loads(line[5:])  # an error or the end would fail here
+                        assert chunk["choices"][0]["finish_reason"] is None, chunk
+                        read["http"] += 1
+
+            await asyncio.gather(read_grpc(), read_http())
+            call.cancel()
+            http_stream.close()
+            exited = await asyncio.to_thread(router.process.wait, RECOVER_S)
+            return read, exited, time.monotonic() - signalled
+
+    read, exited, stopped_s = asyncio.run(run())
+    assert read["grpc"] > 0 and read["http"] > 0, read  # both streams went on after new calls were refused
+    assert exited == 0
+    assert stopped_s < 30, stopped_s  # it ended when its last call did, not at the end of --drain-s
+    router.start()
+    wait_serving(router)
+
+
 def test_a_request_never_resumed_is_cancelled_after_the_grace_period_and_frees_its_pages(mesh):
     request_id = f"abandoned-{time.monotonic_ns()}"
     request = gen.GenerateRequest(prompt="a stream nobody comes back for", request_id=request_id,

@@ -288,6 +288,7 @@ class RouterConfig:
     route_balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("scheduler choice's balance guard: only schedulers whose in-flight work is within max(route_balance_slack_pages, this x the least loaded one's) of it are candidates, so a hot prefix spreads"))
     route_balance_slack_pages: float = dataclasses.field(default=64.0, metadata=_help("scheduler choice's balance guard: the smallest allowed gap, in pages of work"))
     resume_timeout_s: float = dataclasses.field(default=30.0, metadata=_help("a request whose scheduler or worker died is resubmitted (with the tokens already streamed) to a live scheduler, retried with backoff for this long, then UNAVAILABLE"))
+    drain_s: float = dataclasses.field(default=30.0, metadata=_help("on SIGTERM the router takes no new calls (gRPC UNAVAILABLE, the HTTP port closed, health NOT_SERVING) and lets the calls in flight on both ports finish for up to this long, then ends them (a gRPC client with a request_id resumes through another router)"))
 
     def __post_init__(self):
         from kvmesh.services.router.pools import parse_models, served_names
@@ -305,6 +306,8 @@ class RouterConfig:
             raise ValueError(f"no_worker_wait_s must be >= 0, got {self.no_worker_wait_s}")
         if self.resume_timeout_s < 0:
             raise ValueError(f"resume_timeout_s must be >= 0, got {self.resume_timeout_s}")
+        if self.drain_s < 0:
+            raise ValueError(f"drain_s must be >= 0, got {self.drain_s}")
         if self.scheduler_choice not in ("kv", "round-robin"):
             raise ValueError(f"scheduler_choice must be kv or round-robin, got {self.scheduler_choice!r}")
         if self.route_balance_ratio < 0 or self.route_balance_slack_pages < 0:

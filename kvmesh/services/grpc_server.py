@@ -239,10 +239,13 @@ def advertised_address(common, port: int) -> str:
 
 
 async def serve_until_stopped(server: ServiceServer, registry, kind: str, instance_id: str, record: dict,
-                              *, tasks: tuple = (), serving: bool = True, cleanups: tuple = ()) -> None:
+                              *, tasks: tuple = (), serving: bool = True, cleanups: tuple = (), grace: float = 2.0,
+                              drains: tuple = ()) -> None:
     """Registers the service's lease, turns SERVING (unless the service decides readiness itself),
-    runs until SIGINT or SIGTERM, then stops background tasks, the lease, the server, runs the
-    `cleanups` (async callables) and flushes queued spans."""
+    runs until SIGINT or SIGTERM, then stops background tasks and the lease, stops the server
+    (calls in flight get `grace` seconds) while the `drains` (async callables: other ports' own
+    graceful stops) run beside it, runs the `cleanups` (async callables), closes the registry
+    and flushes queued spans."""
     await registry.register(kind, instance_id, {"pid": os.getpid(), **record})
     if serving:
         await server.set_serving(True)
@@ -251,10 +254,10 @@ async def serve_until_stopped(server: ServiceServer, registry, kind: str, instan
         for task in tasks:
             task.cancel()
         await registry.deregister(kind, instance_id)
-        await registry.close()
-        await server.stop()
+        await asyncio.gather(server.stop(grace), *(drain() for drain in drains))
         for cleanup in cleanups:
             await cleanup()
+        await registry.close()
         shutdown_tracing()
 
     await wait_for_termination(stop)

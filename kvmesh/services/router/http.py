@@ -53,11 +53,15 @@ def build_app(service) -> web.Application:
     return app
 
 
-async def start_http(service, host: str, port: int, ssl_context=None) -> tuple[web.AppRunner, int] | None:
-    """Serves the app on host:port (0 picks a free port), over TLS with `ssl_context`; None when port is -1."""
+async def start_http(service, host: str, port: int, ssl_context=None,
+                     drain_s: float = 30.0) -> tuple[web.AppRunner, int] | None:
+    """Serves the app on host:port (0 picks a free port), over TLS with `ssl_context`; None when
+    port is -1. The runner's cleanup closes the port and lets requests in flight finish for up to
+    `drain_s` seconds."""
     if port < 0:
         return None
-    runner = web.AppRunner(build_app(service), access_log=None, handler_cancellation=True)  # a client that leaves cancels at once
+    runner = web.AppRunner(build_app(service), access_log=None, shutdown_timeout=drain_s,
+                           handler_cancellation=True)  # a client that leaves cancels at once
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     try:

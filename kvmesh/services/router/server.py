@@ -682,7 +682,8 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
     await server.start()
     address = advertised_address(common, server.port)
     try:
-        http = await start_http(service, common.host, cfg.http_port, public_ssl_context(cfg.tls_cert, cfg.tls_key))
+        http = await start_http(service, common.host, cfg.http_port, public_ssl_context(cfg.tls_cert, cfg.tls_key),
+                                cfg.drain_s)
     except OSError:
         await server.stop(0)  # before the loop closes: the process exits with the error alone
         raise
@@ -696,6 +697,13 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
             print(f"router ready on {address} (HTTP {http_address or 'off'})", flush=True)
 
     tasks = tuple(asyncio.create_task(t) for t in (service.discover(on_ready), service.watch_keys(), limiter.renew_leases()))
-    cleanups = (*((http[0].cleanup,) if http else ()), limiter.close)
+
+    async def end_tasks():  # after the drain: the calls in flight still resume on schedulers found meanwhile
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # SIGTERM: both ports stop taking calls at once and drain together (--drain-s).
     await serve_until_stopped(server, registry, "router", address, {"address": address, "http": http_address},
-                              tasks=tasks, serving=False, cleanups=cleanups)
+                              serving=False, grace=cfg.drain_s, drains=(http[0].cleanup,) if http else (),
+                              cleanups=(end_tasks, limiter.close))
