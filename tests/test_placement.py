@@ -147,3 +147,28 @@ def test_kvcache_is_asked_for_a_prompts_pages_only_when_a_peer_worker_could_send
             await server.stop(0)
 
     asyncio.run(run())
+
+
+def test_the_routers_in_flight_prefixes_lead_followers_and_leave_with_their_requests():
+    """A router sends a prompt's followers to the scheduler it sent the prompt to while that
+    request runs (before kvcache's index holds its pages), and forgets the prompt's pages when the
+    last request using them ends: each end takes back its own pages, once."""
+    from collections import Counter
+
+    from kvmesh.services.router.prefix_routing import SchedulerChoice
+
+    choice = SchedulerChoice()
+    shared = [b"s0", b"s1"]
+    a = choice.start("A", shared + [b"a2"], 48, 10)
+    b = choice.start("A", shared + [b"b2"], 48, 10)
+    assert choice.choose(["A", "B"], shared + [b"c2"], {}, 16) == ("A", 2)  # nothing indexed yet: in flight leads
+    a.prefilled()
+    assert choice.in_flight["A"].tokens == 48 + 10 + 10
+    a.done()
+    a.done()  # a second end takes nothing more
+    assert choice.in_flight["A"].hashes == Counter({b"s0": 1, b"s1": 1, b"b2": 1})
+    assert choice.in_flight["A"].tokens == 48 + 10
+    b.done()
+    assert "A" not in choice.in_flight
+    assert choice.choose(["A", "B"], shared + [b"c2"], {}, 16)[1] == 0  # nothing of it in flight or indexed now
+

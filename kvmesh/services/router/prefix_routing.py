@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker
+from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker, discount
 
 LOOKUP_TIMEOUT_S = 0.25
 
@@ -93,7 +93,7 @@ class Routed:
         mine = self.mine
         mine.tokens -= self.prompt_tokens + self.output_tokens
         self.prompt_tokens = self.output_tokens = 0
-        mine.hashes.subtract(self.hashes)
-        mine.hashes += Counter()  # drop zero counts
+        discount(mine.hashes, self.hashes)
+        self.hashes = []  # taken back once
         if not mine.tokens and not mine.hashes and self.choice.in_flight.get(self.address) is mine:
             del self.choice.in_flight[self.address]

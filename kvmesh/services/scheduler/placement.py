@@ -13,6 +13,7 @@ holding fewer pages, then by id.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 POLICIES = ("kv", "round-robin")
@@ -50,3 +51,14 @@ def choose_worker(prompt_pages: int, views: list[WorkerView], cfg: PlacementConf
         return (prefill + cfg.load_weight * v.load_pages, v.held_pages, v.worker_id)
 
     return min(eligible, key=cost)
+
+
+def discount(queued: Counter, hashes: list[bytes]) -> None:
+    """Takes one count of each of `hashes` (a prompt whose request ended) off `queued`, dropping
+    those at zero: O(the prompt's pages), where `queued -= Counter(hashes)` walks every queued
+    prompt's entries (O(n) per request, O(n^2) over a burst)."""
+    for h in hashes:
+        if (left := queued[h] - 1) > 0:
+            queued[h] = left
+        else:
+            queued.pop(h, None)

@@ -32,7 +32,7 @@ from kvmesh.services.config import SchedulerServiceConfig
 from kvmesh.services.scheduler.core import Scheduler, TokenEvent
 from kvmesh.services.scheduler.kv_events import KVPublisher, TracedPagePool
 from kvmesh.services.scheduler.overload import OutputLengths, Queued, QueueWalk, Throughput, decode_step_s
-from kvmesh.services.scheduler.placement import WorkerView
+from kvmesh.services.scheduler.placement import WorkerView, discount
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import SampledToken, StepPlan, StepResult
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -254,11 +254,7 @@ class WorkerLoop:
         self.streams.pop(request_id, None)
         self.fetching.pop(request_id, None)  # a fetch in flight gives its pages back and queues nothing
         self.expected_hits.pop(request_id, None)
-        for h in hashes:  # its own entries alone (`+= Counter()` walked every queued prompt's: O(n) per request)
-            if (left := self.queued_hashes[h] - 1) > 0:
-                self.queued_hashes[h] = left
-            else:
-                self.queued_hashes.pop(h, None)
+        discount(self.queued_hashes, hashes)
         self._load_epoch += 1
         if not finished:
             self.core.abort(request_id)  # its kvmesh.kv.release span takes the trace context popped below
