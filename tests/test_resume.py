@@ -429,6 +429,33 @@ def test_a_router_stopped_for_a_rolling_update_takes_no_new_calls_and_lets_those
     wait_serving(router)
 
 
+def test_a_whole_mesh_stopped_at_once_with_streams_open_stops_without_being_killed(long_model_dir):
+    """Ctrl-C on `kvmesh up`: every service gets SIGTERM at once. The router's streams lose their
+    scheduler; a stopping router does not resubmit them (that would be new work, and would keep
+    its drain waiting for resume_timeout_s): each ends UNAVAILABLE, and every process exits on its
+    own (code 0) before stop()'s SIGKILL, 10 s later."""
+    m = Mesh(long_model_dir, workers=1, extra_worker=LONG_KV)
+    request = gen.GenerateRequest(prompt="a stream open at Ctrl-C", sampling=gen.SamplingParams(temperature=0.0),
+                                  stopping=gen.StoppingParams(max_new_tokens=LONG_REQUEST, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(m.addr) as ch:
+            call = generation_pb2_grpc.GenerationStub(ch).Generate(request, timeout=RECOVER_S)
+            await call.read()  # running
+            await asyncio.to_thread(m.close)
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                while (await call.read()) is not grpc.aio.EOF:
+                    pass
+            return ended.value
+
+    try:
+        ended = asyncio.run(run())
+    finally:
+        m.close()
+    assert ended.code() == grpc.StatusCode.UNAVAILABLE, ended
+    assert {c.name: c.process.returncode for c in m.children} == {c.name: 0 for c in m.children}
+
+
 def test_a_request_never_resumed_is_cancelled_after_the_grace_period_and_frees_its_pages(mesh):
     request_id = f"abandoned-{time.monotonic_ns()}"
     request = gen.GenerateRequest(prompt="a stream nobody comes back for", request_id=request_id,

@@ -94,6 +94,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: RouterConfig, registry: Registry, limiter: KeyLimiter, metrics: RouterMetrics | None = None,
                  identity: MeshIdentity | None = None):
         self.cfg = cfg
+        self.stopping = asyncio.Event()  # the server's: set when SIGTERM begins the drain
         self.schedulers = RegisteredPeers(identity, "scheduler")  # mTLS to them when the mesh has an identity
         self.kvcaches = RegisteredPeers(identity, "kvcache")
         self.kvcache: kvcache_pb2_grpc.KVCacheStub | None = None  # the prefix index to route by
@@ -480,7 +481,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         (`resume_from`), else a Submit; then, whenever the call breaks (UNAVAILABLE, CANCELLED: its
         scheduler died) or ends because its worker was lost, a Submit to a live scheduler of the
         pool with the tokens already streamed (`output`), retried with backoff for resume_timeout_s.
-        RouterError for any other error status, and UNAVAILABLE when that time runs out."""
+        RouterError for any other error status, and UNAVAILABLE when that time runs out or when the
+        router is stopping (its drain waits for calls in flight, not for new ones it would start)."""
         call = await self._attach(submit, resume_from) if resume_from is not None else None
         failures, give_up, cause = 0, None, None
         while True:
@@ -511,6 +513,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 if call is not None:
                     call.cancel()  # no-op once finished; frees the request upstream when the client left
             call = None
+            if self.stopping.is_set():  # a stopping router starts no new work (--drain-s)
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"request {submit.request_id!r}: {cause}, and this "
+                                  f"router is stopping: resume it through another router")
             now = time.monotonic()
             give_up = give_up or now + self.cfg.resume_timeout_s
             delay = min(RESUME_BACKOFF_CAP_S, RESUME_BACKOFF_S * 2 ** failures) * (0.5 + random.random() / 2)
@@ -679,6 +684,7 @@ async def serve(common: CommonConfig, cfg: RouterConfig) -> None:
     server = ServiceServer(["kvmesh.v1.Generation"], lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(service, s),
                            common.host, cfg.port, public_server_credentials(cfg.tls_cert, cfg.tls_key),
                            max_message_bytes=cfg.max_request_bytes)
+    service.stopping = server.stopping
     await server.start()
     address = advertised_address(common, server.port)
     try:
