@@ -73,19 +73,30 @@ def tasks(tmp_path_factory):
     return folder
 
 
-def lm_eval(tasks: Path, out: Path, model: str, model_args: str, *task_names: str, extra=()) -> dict:
-    """Runs the lm_eval CLI offline; returns {task: [sample records]} from its --log_samples files."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(out / "datasets"), "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args,
-               "--tasks", *task_names, "--include_path", str(tasks), "--output_path", str(out), "--log_samples", *extra]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    samples = {}
-    for name in task_names:
-        [path] = list(out.rglob(f"samples_{name}_*.jsonl"))
-        samples[name] = [json.loads(line) for line in path.read_text().splitlines()]
-    return samples
+class LMEval:
+    """The lm_eval CLI, run offline in a process of its own (several may run at once)."""
+
+    def __init__(self, tasks: Path, out: Path, model: str, model_args: str, *task_names: str, extra=()):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_DATASETS_CACHE": str(out / "datasets"), "TOKENIZERS_PARALLELISM": "false"}
+        command = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args,
+                   "--tasks", *task_names, "--include_path", str(tasks), "--output_path", str(out), "--log_samples",
+                   *extra]
+        self.out, self.task_names = out, task_names
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = out / "lm_eval.log"  # a file, not a pipe: a run's output never waits for another to be read
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def samples(self) -> dict:
+        """{task: [sample records]} from its --log_samples files, once it has ended well."""
+        self.process.wait(timeout=900)
+        assert self.process.returncode == 0, self.log.read_text()[-9000:]
+        samples = {}
+        for name in self.task_names:
+            [path] = list(self.out.rglob(f"samples_{name}_*.jsonl"))
+            samples[name] = [json.loads(line) for line in path.read_text().splitlines()]
+        return samples
 
 
 def loglikelihoods(records: list[dict]) -> dict[tuple[int, int], float]:
@@ -94,21 +105,22 @@ def loglikelihoods(records: list[dict]) -> dict[tuple[int, int], float]:
 
 def test_lm_eval_runs_against_the_mesh_with_completions_and_chat(mesh, model_dir, tasks, tmp_path):
     base = f"http://{mesh.child('router').http}/v1"
-    completions = lm_eval(tasks, tmp_path / "completions", "local-completions",
-                          f"model=default,base_url={base}/completions,tokenizer={model_dir},tokenizer_backend=huggingface,"
-                          f"tokenized_requests=True,add_bos_token=True,num_concurrent=1,max_retries=1",
-                          "kvmesh_choice", "kvmesh_generate", extra=["--batch_size", "4"])
-    reference = lm_eval(tasks, tmp_path / "hf", "hf", f"pretrained={model_dir},dtype=float32,add_bos_token=True",
-                        "kvmesh_choice", "kvmesh_generate", extra=["--batch_size", "4", "--device", "cpu"])
+    # The three runs at once (they are independent, and each is mostly its start-up).
+    completions = LMEval(tasks, tmp_path / "completions", "local-completions",
+                         f"model=default,base_url={base}/completions,tokenizer={model_dir},tokenizer_backend=huggingface,"
+                         f"tokenized_requests=True,add_bos_token=True,num_concurrent=1,max_retries=1",
+                         "kvmesh_choice", "kvmesh_generate", extra=["--batch_size", "4"])
+    reference = LMEval(tasks, tmp_path / "hf", "hf", f"pretrained={model_dir},dtype=float32,add_bos_token=True",
+                       "kvmesh_choice", "kvmesh_generate", extra=["--batch_size", "4", "--device", "cpu"])
+    chat = LMEval(tasks, tmp_path / "chat", "local-chat-completions",
+                  f"model=default,base_url={base}/chat/completions,tokenizer={model_dir},tokenizer_backend=huggingface,"
+                  f"tokenized_requests=False,num_concurrent=1,max_retries=1",
+                  "kvmesh_generate", extra=["--apply_chat_template"])
+    completions, reference, chat = completions.samples(), reference.samples(), chat.samples()
     got, want = loglikelihoods(completions["kvmesh_choice"]), loglikelihoods(reference["kvmesh_choice"])
     assert len(got) == sum(len(c) for _, c, _ in QUESTIONS) and got.keys() == want.keys()
     assert all(abs(got[k] - want[k]) < 1e-3 for k in got), (got, want)
     generated = {r["doc_id"]: r["resps"][0][0] for r in completions["kvmesh_generate"]}
     assert generated == {r["doc_id"]: r["resps"][0][0] for r in reference["kvmesh_generate"]}  # greedy, same text
-
-    chat = lm_eval(tasks, tmp_path / "chat", "local-chat-completions",
-                   f"model=default,base_url={base}/chat/completions,tokenizer={model_dir},tokenizer_backend=huggingface,"
-                   f"tokenized_requests=False,num_concurrent=1,max_retries=1",
-                   "kvmesh_generate", extra=["--apply_chat_template"])
     assert len(chat["kvmesh_generate"]) == len(QUESTIONS)
     assert all(isinstance(r["resps"][0][0], str) for r in chat["kvmesh_generate"])
