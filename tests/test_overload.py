@@ -189,11 +189,15 @@ def test_the_wait_estimate_kept_between_submits_equals_the_estimate_computed_who
     cost O(n^2)); whatever happens between two estimates (submits behind the queue or, by
     priority, ahead of it, steps, preemption, cancels, finishes, a submit while a step is out),
     the estimate is the one computed from scratch."""
+    import types
+
+    from kvmesh.services.scheduler import worker_loop as loop_module
     from test_placement import worker_loop
 
     rng = random.Random(seed)
-    clock = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    clock = [1000.0]  # the estimate's clock alone (the oldest waiter's wait), not the process's
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0],
+                                                                   perf_counter=time.perf_counter))
     loop = worker_loop(num_pages=320)  # 5,120 tokens: pages run short, requests are preempted
     loop.core.seq_limit = 8  # and slots fill: the walk waits for both
     loop.throughput.record(1024, 0.4, sequences=4)  # a prefill rate, so estimates are not 0
