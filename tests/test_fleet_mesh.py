@@ -182,8 +182,10 @@ def test_a_canary_that_fails_requests_is_rolled_back_with_the_reason(one_worker_
     canary = ExtraWorker(mesh, model_dir, "canary-0", "--version", "v2", "--fault-rate", "0.5")
     try:
         wait_scheduled(mesh.redis_url, 2, timeout_s=60)
+        # Latency is not what this canary gets wrong: a fresh worker's p99 on a loaded machine can be
+        # over 1.2x the stable one's before its first failure lands in the window (seen in CI).
         rollout(mesh, "start", "--model", "default", "--canary", "v2", "--steps", "50,100", "--interval", "2s",
-                "--min-requests", "3")
+                "--min-requests", "3", "--max-p99-ratio", "1000")
         wait_rollout_read(mesh.addr)
         finishes = drive_until(mesh, lambda s: s["status"] != "running")
         state = rollout_state(mesh)
