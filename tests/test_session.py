@@ -352,3 +352,46 @@ def test_a_session_call_whose_finish_was_not_sent_is_not_counted_delivered():
 
     asyncio.run(run())
     assert seen == [True]
+
+
+class _Unconnected:
+    """What a SessionCall asks of its session when it ends: nothing here is sent anywhere."""
+
+    def forget(self, call_id):
+        pass
+
+    def send(self, request):
+        pass
+
+
+def test_a_slow_readers_events_wait_in_the_router_merged_into_one_per_read():
+    """Events that arrive for a call faster than its client reads them wait in the router merged
+    into one (as the scheduler's Outbox merges them), not one object per token; a lost worker's
+    event stays apart, after the tokens before it; the end comes after everything."""
+    from kvmesh.services.router.session import SessionCall
+
+    def tokens(*ids, **fields):
+        return scheduler_pb2.SessionEvent(call_id=1, event=scheduler_pb2.TokenEvent(
+            token_ids=list(ids), logprobs=[-0.5] * len(ids), **fields))
+
+    async def run():
+        call = SessionCall(_Unconnected(), 1, None)
+        for i in range(100):
+            call.deliver(tokens(i))
+        assert len(call.pending) == 1
+        first = await anext(call)
+        assert list(first.token_ids) == list(range(100)) and len(first.logprobs) == 100
+        call.deliver(tokens(100))
+        call.deliver(tokens(101, finish_reason=gen.LENGTH))
+        call.deliver(scheduler_pb2.SessionEvent(call_id=1, end=True, code=grpc.StatusCode.OK.value[0]))
+        rest = [e async for e in call]
+        assert [(list(e.token_ids), e.finish_reason) for e in rest] == [([100, 101], gen.LENGTH)]
+
+        lost = SessionCall(_Unconnected(), 1, None)
+        lost.deliver(tokens(7))
+        lost.deliver(tokens(8))
+        lost.deliver(tokens(worker_lost=True, worker_id="w0"))
+        assert [(list(e.token_ids), e.worker_lost) for e in [await anext(lost), await anext(lost)]] == [
+            ([7, 8], False), ([], True)]
+
+    asyncio.run(run())

@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 
 import grpc
 
@@ -44,7 +45,9 @@ class SessionCall:
 
     def __init__(self, session: "_Session", call_id: int, timeout: float | None):
         self.session, self.call_id = session, call_id
-        self.events: asyncio.Queue = asyncio.Queue()
+        # Not yet read, in order: TokenEvents, then the end (_END or an AioRpcError), which stays.
+        self.pending: deque = deque()
+        self._arrived = asyncio.Event()
         self.ended = False
         self.finished = False  # its finish came: it ends on its own, a cancel has nothing to stop
         # The scheduler ends the call at its deadline (it was sent); this ends it here all the same.
@@ -54,19 +57,31 @@ class SessionCall:
         return self
 
     async def __anext__(self) -> scheduler_pb2.TokenEvent:
-        item = await self.events.get()
+        while not self.pending:
+            self._arrived.clear()
+            await self._arrived.wait()
+        item = self.pending[0]
         if item is self._END:
-            self.events.put_nowait(item)
             raise StopAsyncIteration
         if isinstance(item, grpc.aio.AioRpcError):
-            self.events.put_nowait(item)
             raise item
-        return item
+        return self.pending.popleft()
+
+    def _put(self, item) -> None:
+        self.pending.append(item)
+        self._arrived.set()
 
     def deliver(self, entry: scheduler_pb2.SessionEvent) -> None:
         if entry.HasField("event"):
-            self.events.put_nowait(entry.event)
-            self.finished = self.finished or entry.event.finish_reason != 0
+            event, last = entry.event, self.pending[-1] if self.pending else None
+            # A reader behind (its client reads slowly) finds one event with every token since its
+            # last read, as the scheduler's Outbox merges them, not an event per token held here.
+            # A lost worker's event stays alone: the reader acts on it before reading its tokens.
+            if isinstance(last, scheduler_pb2.TokenEvent) and not last.worker_lost and not event.worker_lost:
+                last.MergeFrom(event)
+            else:
+                self._put(event)
+            self.finished = self.finished or event.finish_reason != 0
         if entry.end:
             code = _CODES.get(entry.code, grpc.StatusCode.UNKNOWN)
             self._end(None if code == grpc.StatusCode.OK
@@ -79,7 +94,7 @@ class SessionCall:
         if self._timer is not None:
             self._timer.cancel()
         self.session.forget(self.call_id)
-        self.events.put_nowait(self._END if error is None else error)
+        self._put(self._END if error is None else error)
 
     def _expired(self) -> None:
         self._end(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
