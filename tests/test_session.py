@@ -395,3 +395,20 @@ def test_a_slow_readers_events_wait_in_the_router_merged_into_one_per_read():
             ([7, 8], False), ([], True)]
 
     asyncio.run(run())
+
+
+def test_a_slow_readers_merged_events_stay_under_a_mebibyte_each():
+    """However far a reader falls behind, no waiting event grows past MAX_MERGED_BYTES (what the
+    scheduler's Outbox allows an entry): the client's messages stay under gRPC's receive limit."""
+    from kvmesh.services.router.session import MAX_MERGED_BYTES, SessionCall
+
+    async def run():
+        call = SessionCall(_Unconnected(), 1, None)
+        for i in range(200_000):  # about 2 MB of tokens and logprobs
+            call.deliver(scheduler_pb2.SessionEvent(call_id=1, event=scheduler_pb2.TokenEvent(
+                token_ids=[i % 32000], logprobs=[-0.5])))
+        events = list(call.pending)
+        assert 2 <= len(events) <= 4 and all(e.ByteSize() <= MAX_MERGED_BYTES for e in events)
+        assert [t for e in events for t in e.token_ids] == [i % 32000 for i in range(200_000)]
+
+    asyncio.run(run())

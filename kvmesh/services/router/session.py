@@ -31,6 +31,7 @@ log = logging.getLogger("kvmesh.router")
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 MAX_SESSION_SUBMIT_BYTES = 1 << 20  # larger requests (a prompt of some 300,000 tokens) are plain Submit calls
+MAX_MERGED_BYTES = 1 << 20  # a slow reader's waiting tokens merge into events of this size at most, as the scheduler's
 LEGACY_RETRY_S = 60.0  # a scheduler without Session is asked again after this long
 
 
@@ -47,6 +48,7 @@ class SessionCall:
         self.session, self.call_id = session, call_id
         # Not yet read, in order: TokenEvents, then the end (_END or an AioRpcError), which stays.
         self.pending: deque = deque()
+        self._last_bytes = 0  # the size of the last pending TokenEvent, as merged so far
         self._arrived = asyncio.Event()
         self.ended = False
         self.finished = False  # its finish came: it ends on its own, a cancel has nothing to stop
@@ -77,10 +79,14 @@ class SessionCall:
             # A reader behind (its client reads slowly) finds one event with every token since its
             # last read, as the scheduler's Outbox merges them, not an event per token held here.
             # A lost worker's event stays alone: the reader acts on it before reading its tokens.
-            if isinstance(last, scheduler_pb2.TokenEvent) and not last.worker_lost and not event.worker_lost:
+            size = event.ByteSize()
+            if (isinstance(last, scheduler_pb2.TokenEvent) and not last.worker_lost and not event.worker_lost
+                    and self._last_bytes + size <= MAX_MERGED_BYTES):
                 last.MergeFrom(event)
+                self._last_bytes += size
             else:
                 self._put(event)
+                self._last_bytes = size
             self.finished = self.finished or event.finish_reason != 0
         if entry.end:
             code = _CODES.get(entry.code, grpc.StatusCode.UNKNOWN)
