@@ -48,7 +48,7 @@ class SessionCall:
         self.session, self.call_id = session, call_id
         # Not yet read, in order: TokenEvents, then the end (_END or an AioRpcError), which stays.
         self.pending: deque = deque()
-        self._last_bytes = 0  # the size of the last pending TokenEvent, as merged so far
+        self._last_bytes: int | None = None  # the last pending TokenEvent's size once a merge asked for it
         self._arrived = asyncio.Event()
         self.ended = False
         self.finished = False  # its finish came: it ends on its own, a cancel has nothing to stop
@@ -79,14 +79,16 @@ class SessionCall:
             # A reader behind (its client reads slowly) finds one event with every token since its
             # last read, as the scheduler's Outbox merges them, not an event per token held here.
             # A lost worker's event stays alone: the reader acts on it before reading its tokens.
-            size = event.ByteSize()
-            if (isinstance(last, scheduler_pb2.TokenEvent) and not last.worker_lost and not event.worker_lost
-                    and self._last_bytes + size <= MAX_MERGED_BYTES):
-                last.MergeFrom(event)
-                self._last_bytes += size
-            else:
+            # Sizes are taken only then: a reader that keeps up costs the relay nothing more.
+            merged = False
+            if isinstance(last, scheduler_pb2.TokenEvent) and not last.worker_lost and not event.worker_lost:
+                size = (self._last_bytes or last.ByteSize()) + event.ByteSize()
+                if merged := size <= MAX_MERGED_BYTES:
+                    last.MergeFrom(event)
+                    self._last_bytes = size
+            if not merged:
                 self._put(event)
-                self._last_bytes = size
+                self._last_bytes = None
             self.finished = self.finished or event.finish_reason != 0
         if entry.end:
             code = _CODES.get(entry.code, grpc.StatusCode.UNKNOWN)
