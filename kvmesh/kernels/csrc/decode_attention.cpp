@@ -18,7 +18,9 @@
 // but no AVX-512 (AMD Zen 1-3, older Intel), the same one-pass algorithm in 8-lane vectors takes
 // every head size `run` is compiled for (AMD EPYC, one thread, 32 sequences of 600 tokens, 12
 // heads over 4 of 64: float32 11.5 -> 7.1 ms per call, bfloat16 10.7 -> 4.6 ms; the cheap model's
-// 16-wide heads, 128 sequences, two threads: 3.1 -> 2.1 ms).
+// 16-wide heads, 128 sequences, two threads: 3.1 -> 2.1 ms); there the next block's rows are
+// prefetched while a block is computed (`Ahead`; AMD EPYC Zen 3, kernel alone: 10-20% less time
+// per call, docs/benchmarks.md).
 //
 // Registered as torch.ops.kvmesh.decode_attention_ (writes into `out`).
 
@@ -380,6 +382,36 @@ inline __m256 first_lanes(int64_t c) {
 constexpr int64_t kBlock = 32;  // as in the AVX-512 path: a block of rows stays in cache for the group
 constexpr int64_t kLanes = 8;  // float32 lanes of a vector: head sizes that are a multiple take this path
 
+// Prefetches the next block's K and V rows while this block is computed, a few cache lines at each
+// step of the weighted sum of V, whole rows in address order. Without it every block waited on
+// memory first and computed after: a block's rows for one KV head are 256-byte pieces at the
+// row's stride (1 KiB for the benchmark model), which the hardware prefetchers follow badly (read
+// so, K and V arrive at about 15 GB/s on an AMD EPYC Zen 3 core; whole rows in order, 21-24). The
+// lines are spread over the block's steps rather than issued at its start: a burst of a thousand
+// prefetches waits on the core's few miss buffers and gained nothing.
+struct Ahead {
+  const char* k;
+  const char* v;
+  int64_t k_row_bytes, v_row_bytes;  // a slot's stride in the caches
+  int64_t lines;                     // cache lines of one slot's K row (and V row) that the call reads
+  const int64_t* slots = nullptr;    // the block to fetch: `rows` slots
+  int64_t rows = 0, row = 0, line = 0;
+
+  void start(const int64_t* block, int64_t n) {
+    slots = block;
+    rows = n;
+    row = line = 0;
+  }
+  inline void step(int64_t count) {
+    for (int64_t c = 0; c < count && row < rows; ++c) {
+      const char* p = line < lines ? k + slots[row] * k_row_bytes + 64 * line
+                                   : v + slots[row] * v_row_bytes + 64 * (line - lines);
+      _mm_prefetch(p, _MM_HINT_T0);
+      if (++line == 2 * lines) line = 0, ++row;
+    }
+  }
+};
+
 // How many 8-lane vectors of a row the weighted sum of V keeps in registers at once (a divisor of
 // the row's kVec, at most 8: AVX2 has 16 registers), and how many tokens it accumulates side by
 // side, so that at least 8 independent FMA chains hide each FMA's latency.
@@ -392,15 +424,26 @@ constexpr int64_t chunk_of(int64_t vecs) {
 // One sequence, KV heads [0, heads): as heads_avx512 (same scratch; `scores` holds group x kBlock
 // floats and every 8-lane store stays inside a head's row of it). The dot products of 8 keys run
 // side by side (8 independent FMA chains, the query's vectors loaded once per column), and the
-// weighted sum of V runs one to four tokens side by side, by the row's width.
+// weighted sum of V runs one to four tokens side by side, by the row's width. While a block is
+// computed, the next block's rows are prefetched (Ahead); after the last block, the first block of
+// `next_slots` (the next sequence this thread takes, on the same heads; none where null).
 template <typename scalar_t, int64_t kVec>
 void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k_s1, int64_t v_s1,
                 const int64_t* slots, int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads, int64_t group, float scale,
-                float* acc, float* scores, float* m, float* sums, float* kbuf, float* vbuf) {
+                float* acc, float* scores, float* m, float* sums, float* kbuf, float* vbuf, const int64_t* next_slots,
+                int64_t next_n) {
   constexpr int64_t D = kVec * 8;
   constexpr bool kWide = std::is_same_v<scalar_t, float>;
   constexpr int64_t kChunk = chunk_of(kVec);
   constexpr int64_t kSets = kChunk >= 8 ? 1 : (8 + kChunk - 1) / kChunk;
+  Ahead ahead{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v),
+              k_s0 * static_cast<int64_t>(sizeof(scalar_t)), v_s0 * static_cast<int64_t>(sizeof(scalar_t)),
+              (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64};
+  // A block's token is visited heads * group * (kVec / kChunk) times by the weighted sum of V; its
+  // 2 * lines lines of the next block are spread over those visits, so they are all asked for by
+  // the block's end (measured: as good as finishing earlier, and better than a burst).
+  const int64_t visits = heads * group * (kVec / kChunk);
+  const int64_t per_visit = (2 * ahead.lines + visits - 1) / visits;
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t h = 0; h < heads * group; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
@@ -410,6 +453,10 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
   for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
     const int64_t b = std::min(kBlock, n - t0);
     const int64_t* block = slots + t0;
+    if (t0 + b < n)
+      ahead.start(block + b, std::min(kBlock, n - t0 - b));
+    else
+      ahead.start(next_slots, next_slots ? std::min(kBlock, next_n) : 0);
     for (int64_t kvh = 0; kvh < heads; ++kvh) {
       const scalar_t* kh = k + kvh * k_s1;
       const scalar_t* vh = v + kvh * v_s1;
@@ -473,12 +520,14 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
           int64_t t = 0;
           for (; t + kSets <= b; t += kSets) {
             for (int64_t u = 0; u < kSets; ++u) {
+              ahead.step(per_visit);
               const float* value = value_row(t + u) + 8 * j0;
               const __m256 p = _mm256_set1_ps(sg[t + u]);
               for (int64_t j = 0; j < kChunk; ++j) sets[u][j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * j), sets[u][j]);
             }
           }
           for (; t < b; ++t) {
+            ahead.step(per_visit);
             const float* value = value_row(t) + 8 * j0;
             const __m256 p = _mm256_set1_ps(sg[t]);
             for (int64_t j = 0; j < kChunk; ++j) sets[0][j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * j), sets[0][j]);
@@ -547,9 +596,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                                               heads_per_item, group, fscale, acc.data(), scores.data(), maxes.data(),
                                               sums.data(), kbuf.data(), vbuf.data());
 #else
+        // The next sequence this thread takes reads the same heads' pointers where items are whole rows.
+        const bool next = whole_rows && work + 1 < end;
         heads_avx2<scalar_t, kHeadDim / 8>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
                                            k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
-                                           maxes.data(), sums.data(), kbuf.data(), vbuf.data());
+                                           maxes.data(), sums.data(), kbuf.data(), vbuf.data(),
+                                           next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
 #endif
         for (int64_t h = 0; h < nh; ++h) {
           scalar_t* dst = op + row * o_s0 + (h0 + h) * o_s1;
