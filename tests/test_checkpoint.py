@@ -3,9 +3,11 @@
 import json
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from kvmesh.engine import EngineConfig, LLMEngine
+from kvmesh.kernels.linear import onednn_multiplies
 from kvmesh.params import SamplingParams, StoppingParams
 from kvmesh.services.worker.checkpoint import CheckpointError, load_config
 from kvmesh.services.worker.model import CausalLM
@@ -77,6 +79,18 @@ def test_half_precision_checkpoints_load_in_their_dtype(tmp_path, dtype):
 
     model_dir = make_model(tmp_path, "llama", dtype=dtype, **SIZES["tiny"])
     model = CausalLM.load(model_dir)
-    assert str(model.dtype) == f"torch.{dtype}"
+    assert str(model.dtype) == f"torch.{dtype}" and model.embed.dtype == model.dtype
     [done] = LLMEngine(EngineConfig(num_pages=16), model=model).generate([PROMPT], GREEDY, StoppingParams(max_new_tokens=4))
     assert len(done.token_ids) >= 1
+    # Matrix products in the model's dtype, or in float32 on a CPU where oneDNN has none for it (the
+    # float32 copies fit: a tiny model); the memory the worker plans for counts them as held.
+    own = onednn_multiplies(model.dtype)
+    assert model.linear_dtype == (model.dtype if own else torch.float32)
+    assert model.lm_head.compute_dtype == (None if own else torch.float32)
+    cfg = model.cfg
+    matrices = (cfg.num_layers * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                                  + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+                                  + 3 * cfg.hidden_size * cfg.intermediate_size)
+                + cfg.vocab_size * cfg.hidden_size)
+    table = 0 if own and cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2
+    assert model.weight_bytes() == matrices * (2 if own else 4) + table

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.kernels.linear import PackedLinear
+from kvmesh.kernels.linear import PackedLinear, half_linear_dtype, onednn_multiplies
 
 SHAPES = [(1, 1), (48, 33), (256, 64), (130, 257)]  # (out_features, in_features)
 
@@ -22,17 +22,11 @@ def float64_linear(x, weight, bias):
     return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
 
 
-def onednn_supports(dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():
-        return False
-    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()  # bf16 needs AVX-512 or AVX-NE-CONVERT
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_weight_is_prepacked_exactly_when_onednn_supports_its_dtype(dtype):
     weight, _, _ = make_case(48, 33, 1, dtype, with_bias=False)
     layer = PackedLinear(weight)
-    if onednn_supports(dtype):
+    if onednn_multiplies(dtype):
         assert layer.packed is not None and layer.weight is None
     else:  # this CPU has no oneDNN kernel for the dtype: the plain weight serves F.linear
         assert layer.packed is None and layer.weight is weight
@@ -93,3 +87,52 @@ def test_a_residual_is_added_to_the_product(dtype, pack, with_bias):
     assert torch.equal(residual, kept)  # the residual itself is not written
     if dtype == torch.float32:  # float32: the same bits as adding after the product, as transformers does
         assert torch.equal(y, PackedLinear(weight, bias, pack=pack)(x) + residual)
+
+
+def rounded(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return y.to(dtype).double()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "fallback"])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_a_half_precision_product_in_float32_is_the_exact_product_rounded_once(shape, batch, pack, dtype):
+    """Half-precision products are exact in float32 and the sums run in float32: the output is the
+    float64 product rounded to the model's dtype, give or take one unit in the last place (the
+    order of the sums)."""
+    weight, bias, x = make_case(*shape, batch, dtype, with_bias=True)
+    layer = PackedLinear(weight, bias, pack=pack, compute_dtype=torch.float32)
+    assert layer.compute_dtype == torch.float32
+    assert (layer.packed is not None) == (pack and torch.backends.mkldnn.is_available())  # float32 packs anywhere
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (batch, shape[0])
+    exact = float64_linear(x, weight, bias)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    torch.testing.assert_close(y.double(), rounded(exact, dtype), atol=1e-6, rtol=ulp)
+
+
+def test_a_residual_is_added_after_the_float32_product_is_rounded():
+    """As transformers' `residual + proj(x)` in bfloat16: the product rounded, then the sum rounded."""
+    weight, bias, x = make_case(48, 33, 7, torch.bfloat16, with_bias=True)
+    residual = torch.randn(7, 48, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    layer = PackedLinear(weight, bias, compute_dtype=torch.float32)
+    assert torch.equal(layer(x, residual=residual), layer(x) + residual)
+
+
+def test_a_compute_dtype_equal_to_the_weights_changes_nothing():
+    weight, bias, x = make_case(48, 33, 7, torch.float32, with_bias=True)
+    layer = PackedLinear(weight, bias, compute_dtype=torch.float32)
+    assert layer.compute_dtype is None
+    assert torch.equal(layer(x), PackedLinear(weight, bias)(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_multiplies_in_float32_only_where_onednn_has_no_kernel_and_memory_allows(dtype):
+    cpu, plenty, gib = torch.device("cpu"), 1 << 40, 1 << 30
+    expected = dtype if onednn_multiplies(dtype) else torch.float32
+    assert half_linear_dtype(dtype, cpu, gib, available=plenty) == expected
+    # float32 copies of 1 GiB of weights need 2 GiB available: with less, the model keeps its dtype
+    assert half_linear_dtype(dtype, cpu, gib, available=2 * gib - 1) == dtype
+    assert half_linear_dtype(torch.float32, cpu, gib, available=plenty) == torch.float32
+    assert half_linear_dtype(dtype, torch.device("cuda"), gib, available=plenty) == dtype

@@ -4,12 +4,26 @@ torch's default CPU `F.linear` repacks the weight on every call, which costs mor
 arithmetic when few rows go through (decode steps). oneDNN can keep the weight in its own blocked
 layout: `PackedLinear` does that when oneDNN is available for the weight's dtype and falls
 back to `F.linear` otherwise. Tests hold both paths to float64 `F.linear`.
+
+Where oneDNN has no kernel for a half-precision dtype (bfloat16 and float16 need AVX-512 or
+AVX-NE-CONVERT: not on AMD Zen 1-3 or Intel before Skylake-SP), `F.linear` in that dtype runs
+torch's reference kernel, 2-7x slower than oneDNN's float32 at every row count (AMD EPYC Zen 3, two
+threads, the benchmark model's shapes: 32 rows 7.4-8.5 ms against 1.2-1.8 ms; one row 0.26-0.29
+against 0.18-0.21). There a half-precision model multiplies in float32 (`half_linear_dtype`):
+the weights are widened once at load, each input per call, and each product rounded back to the
+model's dtype. bfloat16 and float16 products are exact in float32 and the kernels sum in float32
+either way, so the result is the half-precision product's up to the order of the sums; the cost
+is the weights' memory, twice theirs.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("kvmesh.kernels")
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -24,11 +38,63 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-class PackedLinear:
-    """y = x @ weight.T + bias (+ residual), with the weight prepacked for oneDNN when that is possible."""
+def onednn_multiplies(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has a matrix-product kernel for `dtype` on this CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def half_linear_dtype(dtype: torch.dtype, device: torch.device, weight_bytes: int,
+                      available: int | None = None) -> torch.dtype:
+    """The dtype a model of `dtype` with `weight_bytes` of matrix weights multiplies them in on
+    `device`: float32 for a half-precision model on a CPU where oneDNN has no kernel for its dtype
+    (see the module's docstring) when the float32 copies (`weight_bytes` more) fit in half of the
+    memory available (`available`, default the system's); its own dtype otherwise."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or onednn_multiplies(dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    available = _available_memory() if available is None else available
+    if available is None or 2 * weight_bytes > available:
+        log.warning("this CPU has no oneDNN kernel for %s, whose matrix products then run several times slower "
+                    "than float32; multiplying in float32 would take %d MiB more than the %s MiB available can spare "
+                    "(half of it): left in %s (--dtype float32 trades the memory for the speed)", name,
+                    weight_bytes >> 20, "?" if available is None else available >> 20, name)
+        return dtype
+    log.info("this CPU has no oneDNN kernel for %s: its matrix products run in float32 (%d MiB more weights), "
+             "rounded to %s", name, weight_bytes >> 20, name)
+    return torch.float32
+
+
+class PackedLinear:
+    """y = x @ weight.T + bias (+ residual), with the weight prepacked for oneDNN when that is possible.
+    With `compute_dtype` (float32 for a half-precision weight, `half_linear_dtype`), the weight and
+    bias are kept in that dtype, each input is converted to it, and the product is rounded back to the
+    input's dtype before the residual is added (two roundings, as transformers' `residual + proj(x)`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
+                 compute_dtype: torch.dtype | None = None):
         self.out_features, self.in_features = weight.shape
+        self.compute_dtype = compute_dtype if compute_dtype not in (None, weight.dtype) else None
+        if self.compute_dtype is not None:
+            weight = weight.to(self.compute_dtype)
+            bias = None if bias is None else bias.to(self.compute_dtype)
         self.bias = bias
         self.packed = _pack(weight) if pack else None
         # The plain weight is only needed by the fallback path.
@@ -36,6 +102,12 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`residual`, when given, is added to the product (in the same oneDNN call where packed)."""
+        if self.compute_dtype is not None:
+            y = self._product(x.to(self.compute_dtype), None).to(x.dtype)
+            return y if residual is None else y.add_(residual)
+        return self._product(x, residual)
+
+    def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")

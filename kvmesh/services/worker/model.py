@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kvmesh.kernels import native
 from kvmesh.kernels.attention import SequenceSlice, plan_attention, write_kv
-from kvmesh.kernels.linear import PackedLinear
+from kvmesh.kernels.linear import PackedLinear, half_linear_dtype
 from kvmesh.services.worker.checkpoint import DTYPES, ModelConfig, load_config, load_weights, rope_inv_freq
 
 
@@ -93,7 +93,9 @@ class CausalLM:
         w = {name: t.to(self.device) for name, t in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = PackedLinear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
+        # the dtype of the matrix products: the model's, or float32 on a CPU with no kernel for its dtype
+        self.linear_dtype = half_linear_dtype(dtype, self.device, self._matrix_params() * _itemsize(dtype))
+        self.lm_head = self._linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         # kvmesh's fused RMSNorm, rotary and SiLU-mul on the CPU (torch's operators elsewhere);
         # found or compiled now, at load, rather than in the first request
@@ -121,13 +123,25 @@ class CausalLM:
         model.folder = Path(model_dir)
         return model
 
-    def weight_bytes(self) -> int:
-        """Bytes of weights the model holds (packed CPU weights count at their dense size)."""
+    def _matrix_params(self) -> int:
+        """Parameters of the matrix products: every layer's projections and the LM head."""
         cfg = self.cfg
         per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                      + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
-        embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-        return (cfg.num_layers * per_layer + embeddings) * torch.empty((), dtype=self.dtype).element_size()
+        return cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights the model holds (packed CPU weights count at their dense size): the
+        matrices in the dtype they are multiplied in, the embedding table in the model's; a tied
+        LM head counts once unless it is kept in another dtype than the table."""
+        matrices = self._matrix_params() * _itemsize(self.linear_dtype)
+        embeddings = self.cfg.vocab_size * self.cfg.hidden_size * _itemsize(self.dtype)
+        if self.cfg.tie_word_embeddings and self.linear_dtype == self.dtype:
+            return matrices
+        return matrices + embeddings
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+        return PackedLinear(weight, bias, compute_dtype=self.linear_dtype)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -136,10 +150,10 @@ class CausalLM:
         if self.cfg.qkv_bias:
             qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"])
         return LayerWeights(
-            qkv=PackedLinear(torch.cat([w[attn + f"{x}_proj.weight"] for x in "qkv"]), qkv_bias),
-            o=PackedLinear(w[attn + "o_proj.weight"], w.get(attn + "o_proj.bias")),
-            gate_up=PackedLinear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-            down=PackedLinear(w[p + "mlp.down_proj.weight"]),
+            qkv=self._linear(torch.cat([w[attn + f"{x}_proj.weight"] for x in "qkv"]), qkv_bias),
+            o=self._linear(w[attn + "o_proj.weight"], w.get(attn + "o_proj.bias")),
+            gate_up=self._linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+            down=self._linear(w[p + "mlp.down_proj.weight"]),
             input_norm=w[p + "input_layernorm.weight"],
             post_attention_norm=w[p + "post_attention_layernorm.weight"],
         )
@@ -201,3 +215,7 @@ class CausalLM:
             x = layer.down(act, residual=x)
         x = self._rms_norm(x[batch.logit_rows], self.norm)
         return self.lm_head(x).float()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
