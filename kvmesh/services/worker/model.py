@@ -3,7 +3,8 @@
 The math follows transformers' implementation step for step (RMSNorm in float32, rotary
 embeddings from a float32 table, softmax attention, SiLU-gated MLP) so greedy tokens match it.
 Projections are fused at load time (q|k|v and gate|up) so one step runs few, large matrix
-products; logits are computed only for the rows that are sampled.
+products; logits are computed only for the rows that are sampled. A half-precision model on a CPU
+where oneDNN has no kernel for its dtype multiplies in float32 (`kernels.linear.half_linear_dtype`).
 
 On the CPU, a layer's elementwise steps (half-precision RMSNorm, the rotary embedding, SiLU(gate) *
 up) are kvmesh's fused C++ operators (`kernels/csrc/fused_ops.cpp`), one pass each where torch
