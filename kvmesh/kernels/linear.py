@@ -49,18 +49,6 @@ def onednn_multiplies(dtype: torch.dtype) -> bool:
     return True
 
 
-def _available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def half_linear_dtype(dtype: torch.dtype, device: torch.device, weight_bytes: int,
                       available: int | None = None) -> torch.dtype:
     """The dtype a model of `dtype` with `weight_bytes` of matrix weights multiplies them in on
@@ -69,13 +57,15 @@ def half_linear_dtype(dtype: torch.dtype, device: torch.device, weight_bytes: in
     memory available (`available`, default the system's); its own dtype otherwise."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or onednn_multiplies(dtype):
         return dtype
+    import psutil
+
     name = str(dtype).removeprefix("torch.")
-    available = _available_memory() if available is None else available
-    if available is None or 2 * weight_bytes > available:
+    available = psutil.virtual_memory().available if available is None else available
+    if 2 * weight_bytes > available:
         log.warning("this CPU has no oneDNN kernel for %s, whose matrix products then run several times slower "
-                    "than float32; multiplying in float32 would take %d MiB more than the %s MiB available can spare "
+                    "than float32; multiplying in float32 would take %d MiB more than the %d MiB available can spare "
                     "(half of it): left in %s (--dtype float32 trades the memory for the speed)", name,
-                    weight_bytes >> 20, "?" if available is None else available >> 20, name)
+                    weight_bytes >> 20, available >> 20, name)
         return dtype
     log.info("this CPU has no oneDNN kernel for %s: its matrix products run in float32 (%d MiB more weights), "
              "rounded to %s", name, weight_bytes >> 20, name)
