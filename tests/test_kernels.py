@@ -154,13 +154,83 @@ def test_decode_kernel_keeps_to_the_sliding_window():
     torch.testing.assert_close(AttentionPlan(seqs)(q, kc, vc, 0.2), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_without_the_kernel_every_sequence_takes_the_portable_path(monkeypatch):
+def test_without_the_kernels_every_sequence_takes_the_portable_path(monkeypatch):
     monkeypatch.setattr(native, "decode_attention", lambda: None)
+    monkeypatch.setattr(native, "prefill_attention", lambda: None)
     q, kc, vc, seqs, _ = build_case(DECODES, dim=64, seed=9)
     plan = AttentionPlan(seqs)
-    assert plan.decodes == [] and plan.others == seqs
+    assert plan.decodes == [] and plan.prefills == [] and plan.others == seqs
     ref = paged_attention_reference(q, kc, vc, seqs, scale=0.125)
     torch.testing.assert_close(plan(q, kc, vc, 0.125), ref, atol=1e-5, rtol=1e-5)
+
+
+# Prefill chunks: from position 0, after a cached prefix (the chunk's first query sees earlier
+# pages), shorter and longer than a tile of query tokens (16, or 32 without GQA) and a block of
+# keys (32), beside decodes.
+PREFILLS = [(37, 37), (70, 22), (33, 1), (300, 300), (600, 77), (2, 2), (17, 16), (5, 1)]
+
+
+@pytest.mark.parametrize("dim", [16, 32, 64, 80, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (12, 4), (4, 4), (14, 2)])
+def test_prefill_kernel_equals_reference(dim, heads, kv_heads):
+    q, kc, vc, seqs, _ = build_case(PREFILLS, heads=heads, kv_heads=kv_heads, dim=dim, num_pages=96, seed=dim + heads)
+    plan = AttentionPlan(seqs)
+    assert len(plan.prefills) == (6 if native.prefill_attention() else 0)
+    ref = paged_attention_reference(q, kc, vc, seqs, scale=dim**-0.5)
+    torch.testing.assert_close(plan(q, kc, vc, dim**-0.5), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 12, 4), (128, 8, 2), (32, 4, 4)])
+def test_prefill_kernel_in_half_precision_equals_the_reference_on_the_same_inputs(dtype, dim, heads, kv_heads):
+    q, kc, vc, seqs, _ = build_case(PREFILLS, heads=heads, kv_heads=kv_heads, dim=dim, num_pages=96, seed=5)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), seqs, scale=dim**-0.5)
+    out = AttentionPlan(seqs)(q, kc, vc, dim**-0.5)
+    assert out.dtype == dtype
+    # float32 arithmetic on the half-precision values (with AVX512-BF16, P.V rounds the weights to
+    # bfloat16 first, as transformers does), the result rounded once more.
+    assert (out.double() - ref).abs().max() <= (ref.abs().max() * 2 ** -6).item()
+
+
+def test_prefill_kernel_keeps_to_the_sliding_window_given_or_read_from_the_masks():
+    q, kc, vc, seqs, _ = build_case([(60, 12), (90, 90), (40, 1), (25, 25)], dim=64, seed=12, window=20)
+    ref = paged_attention_reference(q, kc, vc, seqs, scale=0.2, sliding_window=20)
+    for plan in (AttentionPlan(seqs, sliding_window=20), AttentionPlan(seqs)):
+        assert plan.window == 20
+        torch.testing.assert_close(plan(q, kc, vc, 0.2), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [16, 64])
+def test_prefill_kernel_is_exact_when_scores_span_hundreds_of_nats(dim):
+    q, kc, vc, seqs, _ = build_case(PREFILLS, heads=8, kv_heads=2, dim=dim, num_pages=96, seed=13)
+    q = q * 60
+    exact = paged_attention_reference(q.double(), kc.double(), vc.double(), seqs, scale=dim**-0.5)
+    torch.testing.assert_close(AttentionPlan(seqs)(q, kc, vc, dim**-0.5).double(), exact, atol=2e-4, rtol=2e-4)
+
+
+def test_head_sizes_without_prefill_tiles_take_torchs_attention():
+    q, kc, vc, seqs, _ = build_case([(37, 37), (70, 22)], heads=4, kv_heads=2, dim=24, seed=14)
+    ref = paged_attention_reference(q, kc, vc, seqs, scale=0.2)
+    torch.testing.assert_close(AttentionPlan(seqs)(q, kc, vc, 0.2), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(native.prefill_attention() is None, reason="no C++ compiler here")
+@pytest.mark.parametrize("case", ["slot past the cache", "rows past q", "count past context", "odd head size"])
+def test_prefill_kernel_refuses_indices_it_would_read_out_of_bounds(case):
+    q, kc, vc, seqs, _ = build_case([(37, 37)], heads=4, kv_heads=2, dim=32, seed=15)
+    starts, counts = torch.tensor([0]), torch.tensor([37])
+    indptr, slots = torch.tensor([0, 37]), seqs[0].slots.clone()
+    if case == "slot past the cache":
+        slots[5] = kc.shape[0]
+    elif case == "rows past q":
+        starts = torch.tensor([1])
+    elif case == "count past context":
+        counts = torch.tensor([38])
+    else:
+        q, kc, vc = q[..., :24].contiguous(), kc[..., :24].contiguous(), vc[..., :24].contiguous()
+    with pytest.raises(RuntimeError):
+        native.prefill_attention()(q, kc, vc, starts, counts, indptr, slots, 0, 0.2, torch.empty_like(q))
 
 
 def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):

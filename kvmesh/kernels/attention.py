@@ -7,8 +7,9 @@ through the slot list its page table expands to.
 `paged_attention_reference` is the portable definition (float32 softmax, explicit masks, no
 fused kernels). `plan_attention` picks the fast path for the model's device, once per step:
 - on the CPU, `AttentionPlan`: decodes in one call of kvmesh's C++ decode kernel
-  (`kernels/csrc/decode_attention.cpp`), prefill chunks through torch's fused
-  scaled-dot-product attention per sequence;
+  (`kernels/csrc/decode_attention.cpp`), prefill chunks in one call of its prefill kernel
+  (`kernels/csrc/prefill_attention.cpp`; head sizes that are multiples of 16), anything else
+  through torch's fused scaled-dot-product attention per sequence;
 - on CUDA, `TritonPlan`: kvmesh's Triton kernels over page tables (`kernels/triton_attention.py`),
   decodes in one split-KV launch and prefill chunks in another.
 Tests hold each path to the reference and the reference to dense causal attention.
@@ -35,7 +36,7 @@ def plan_attention(seqs: list[SequenceSlice], device: torch.device, backend: str
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "triton" or (backend == "auto" and device.type == "cuda" and triton_available()):
         return TritonPlan(seqs, device, page_size, sliding_window)
-    return AttentionPlan(seqs, use_kernel=backend == "auto")
+    return AttentionPlan(seqs, use_kernel=backend == "auto", sliding_window=sliding_window)
 
 
 def triton_available() -> bool:
@@ -104,34 +105,67 @@ class AttentionPlan:
     """How one step's sequences are attended, worked out once per step and used by every layer.
 
     Decoding sequences (one query each) go to kvmesh's C++ decode kernel in a single call per
-    layer, reading the cache in place through their slot lists. Prefill chunks, and everything
-    when the kernel is unavailable or the tensors are not on the CPU, go to torch's fused
-    attention one sequence at a time: a chunk's arithmetic outweighs the call's fixed cost.
+    layer, reading the cache in place through their slot lists; prefill chunks to its prefill
+    kernel, likewise in one call (the sliding window, if any, applied there from positions). What
+    the kernels cannot take (no C++ compiler, tensors not on the CPU, a head size the prefill
+    kernel has no tiles for) goes to torch's fused attention one sequence at a time.
     """
 
-    def __init__(self, seqs: list[SequenceSlice], use_kernel: bool = True):
+    def __init__(self, seqs: list[SequenceSlice], use_kernel: bool = True, sliding_window: int | None = None):
         self.seqs = seqs
+        self.window = sliding_window or _window_of(seqs)
         self.op = native.decode_attention() if use_kernel else None
+        self.prefill_op = native.prefill_attention() if use_kernel else None
         self.decodes = [s for s in seqs if s.num_queries == 1] if self.op is not None else []
-        self.others = [s for s in seqs if s.num_queries != 1] if self.decodes else seqs
+        self.prefills = [s for s in seqs if s.num_queries != 1] if self.prefill_op is not None else []
+        self.others = [s for s in seqs if (s.num_queries == 1 and not self.decodes)
+                       or (s.num_queries != 1 and not self.prefills)]
         if self.decodes:
             # A decode's mask, when it has one, is the sliding window: it sees a suffix of its slots.
             visible = [s.slots if s.mask is None else s.slots[s.mask[0]] for s in self.decodes]
             self.rows = torch.tensor([s.query_start for s in self.decodes], dtype=torch.long)
-            self.indptr = torch.zeros(len(visible) + 1, dtype=torch.long)
-            self.indptr[1:] = torch.tensor([v.shape[0] for v in visible]).cumsum(0)
-            self.slot_ids = torch.cat(visible).to(torch.long).contiguous()
+            self.indptr, self.slot_ids = _slot_lists(visible)
+        if self.prefills:
+            self.starts = torch.tensor([s.query_start for s in self.prefills], dtype=torch.long)
+            self.counts = torch.tensor([s.num_queries for s in self.prefills], dtype=torch.long)
+            self.prefill_indptr, self.prefill_slots = _slot_lists([s.slots for s in self.prefills])
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """q is `[tokens, heads, head_dim]`; returns the same shape."""
         out = torch.empty_like(q)
-        per_sequence = self.seqs
-        if self.decodes and q.device.type == "cpu":
-            self.op(q, k_cache, v_cache, self.rows, self.indptr, self.slot_ids, scale, out)
+        if q.device.type != "cpu":
+            per_sequence = self.seqs
+        else:
             per_sequence = self.others
+            if self.decodes:
+                self.op(q, k_cache, v_cache, self.rows, self.indptr, self.slot_ids, scale, out)
+            if self.prefills and q.shape[2] % 16 == 0 and q.dtype in _PREFILL_DTYPES:
+                self.prefill_op(q, k_cache, v_cache, self.starts, self.counts, self.prefill_indptr,
+                                self.prefill_slots, self.window, scale, out)
+            else:
+                per_sequence = per_sequence + self.prefills
         for s in per_sequence:
             _sdpa_one(q, k_cache, v_cache, s, scale, out)
         return out
+
+
+_PREFILL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _window_of(seqs: list[SequenceSlice]) -> int:
+    """The sliding window the slices' masks were made with (`causal_mask`), 0 for none: where it
+    matters, the last query does not see position 0 and sees `window` positions."""
+    for s in seqs:
+        if s.mask is not None and s.num_queries > 1 and not s.mask[-1, 0]:
+            return int(s.mask[-1].sum())
+    return 0
+
+
+def _slot_lists(lists: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR form of per-sequence slot lists: (indptr, every slot in order), int64."""
+    indptr = torch.zeros(len(lists) + 1, dtype=torch.long)
+    indptr[1:] = torch.tensor([x.shape[0] for x in lists]).cumsum(0)
+    return indptr, torch.cat(lists).to(torch.long).contiguous()
 
 
 def _sdpa_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: SequenceSlice, scale: float, out: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """kvmesh's own C++ kernels, compiled on first use with torch's extension builder.
 
-`decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator, `write_kv()`
+`decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator,
+`prefill_attention()` `torch.ops.kvmesh.prefill_attention_`, `write_kv()`
 `torch.ops.kvmesh.write_kv_` and `fused_ops()` the fused elementwise operators (`rms_norm`,
 `rotary_`, `silu_mul`), or None when they cannot be used here (no C++ compiler,
 `KVMESH_NATIVE_KERNELS=0`); callers then take the portable path. All are in one library. The
@@ -31,7 +32,9 @@ import torch
 
 log = logging.getLogger("kvmesh.kernels")
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "kv_write.cpp", "fused_ops.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name
+            for name in ("decode_attention.cpp", "prefill_attention.cpp", "kv_write.cpp", "fused_ops.cpp")]
+_HEADERS = [Path(__file__).with_name("csrc") / "paged_cache.h"]
 # Each ISA's compiler flags, and the CPU_CAPABILITY torch builds the same code for: ATen's vector
 # types (used by fused_ops.cpp) take their intrinsics and Sleef functions from it.
 _ISA_FLAGS = {
@@ -74,7 +77,8 @@ def library_path() -> Path:
 
     isa = _isa()
     cflags = [*_CFLAGS, *_ISA_FLAGS[isa]]
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + " ".join(cflags).encode()).hexdigest()[:12]
+    text = b"".join(src.read_bytes() for src in [*_SOURCES, *_HEADERS])
+    digest = hashlib.sha256(text + " ".join(cflags).encode()).hexdigest()[:12]
     name = f"kvmesh_attention_{isa}_{digest}"
     return Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
 
@@ -106,6 +110,12 @@ def _library() -> bool:
 def decode_attention():
     """The decode attention operator, built on first call; None where it cannot be built."""
     return torch.ops.kvmesh.decode_attention_ if _library() else None
+
+
+@cache
+def prefill_attention():
+    """The prefill (chunk) attention operator, built on first call; None where it cannot be built."""
+    return torch.ops.kvmesh.prefill_attention_ if _library() else None
 
 
 @cache

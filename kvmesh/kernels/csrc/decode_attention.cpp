@@ -28,6 +28,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "paged_cache.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -662,14 +664,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 void decode_attention_(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& q_rows, const at::Tensor& indptr, const at::Tensor& slot_ids, double scale,
                        at::Tensor out) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && out.dim() == 3,
-              "q, k_cache, v_cache and out must be [rows or slots, heads, head_dim]");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && out.stride(2) == 1,
-              "the head dimension must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(),
-              "q, k_cache, v_cache and out must have one dtype");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv_heads");
+  kvmesh::check_attention_tensors(q, k_cache, v_cache, out);
   TORCH_CHECK(q_rows.scalar_type() == at::kLong && indptr.scalar_type() == at::kLong &&
                   slot_ids.scalar_type() == at::kLong && q_rows.is_contiguous() && indptr.is_contiguous() &&
                   slot_ids.is_contiguous(),
@@ -684,10 +679,8 @@ void decode_attention_(const at::Tensor& q, const at::Tensor& k_cache, const at:
       TORCH_CHECK(ptr[s + 1] > ptr[s], "every sequence must see at least one slot");
       TORCH_CHECK(rows[s] >= 0 && rows[s] < q.size(0) && rows[s] < out.size(0), "q_rows out of range");
     }
-    const int64_t num_slots = std::min(k_cache.size(0), v_cache.size(0));
-    for (int64_t i = 0; i < slot_ids.size(0); ++i)
-      TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot ", slots[i], " is outside the cache of ", num_slots);
   }
+  kvmesh::check_slots(slot_ids, k_cache, v_cache);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_", [&] {
     switch (q.size(2)) {
       case 16: run<scalar_t, 16>(q, k_cache, v_cache, q_rows, indptr, slot_ids, scale, out); break;

@@ -1,0 +1,488 @@
+// Prefill attention over a paged KV cache: every prefill chunk of a step in one call.
+//
+// torch's fused attention took the chunks one sequence at a time, after a gather of the
+// sequence's K and V into contiguous tensors; in bfloat16 on CPUs without AMX it multiplies through
+// MKL's bfloat16 GEMM, which on AMD CPUs widens its inputs to float32 block by block (12% of a
+// bfloat16 offline pass of the benchmark model, 50-90 GFLOP/s on an AMD EPYC Zen 4's two cores).
+// This kernel reads K and V in place through each sequence's slot list and works as flash
+// attention does: for a tile of query rows (16 or 32 query tokens times every query head of one
+// GQA group, so each K and V row is read once per group) it walks the keys in blocks of 32, keeps
+// each row's running max and sum (online softmax, in float32 as SDPA), and accumulates P.V.
+//
+// Layouts that make both products plain broadcast-and-multiply loops, with no horizontal sums:
+// - Q.K: the tile's queries transposed once (`qt`, [head_dim][rows]), so a vector holds one
+//   dimension of 16 (AVX-512) or 8 rows; a key's value is broadcast. The scores come out
+//   transposed, [keys][rows], and the softmax's max and sum over keys are vector maxes and adds.
+// - P.V: a row's weight is broadcast against V's rows as stored.
+// With AVX512-BF16 (checked at run time), bfloat16 tiles multiply pairs of values in one
+// `vdpbf16ps`: Q.K against pairs of dimensions, P.V against pairs of keys (V packed as pairs,
+// the weights rounded to bfloat16 first, as transformers' bfloat16 attention rounds them).
+// Other half-precision inputs are widened to float32 block by block.
+//
+// Work items are (sequence, KV head, tile of query tokens); they are dealt to the threads largest
+// first (the causal mask makes a chunk's last tiles the costliest), and a step whose prefill is
+// small stays on the calling thread.
+//
+// Registered as torch.ops.kvmesh.prefill_attention_ (writes the prefill rows of `out`).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include "paged_cache.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+constexpr int64_t kW = fVec::size();  // float32 lanes: 16 with AVX-512, 8 otherwise
+constexpr int64_t kKeys = 32;         // keys per block of the online softmax
+// Tiles: Q.K takes 4 keys against up to kRowVecs vectors of rows at once, P.V 4 rows against up
+// to kDimVecs vectors of V's dimensions: accumulators for 16 (AVX-512, 32 registers) or 8 (AVX2).
+constexpr int64_t kRowVecs = kW == 16 ? 4 : 2;
+constexpr int64_t kDimVecs = kW == 16 ? 4 : 2;
+// Below this many multiply-adds a call stays on the calling thread (some tens of microseconds).
+constexpr double kParallelMinWork = 1 << 21;
+
+struct Seq {
+  int64_t row, nq, first, ctx;  // query rows [row, row + nq) at positions ctx - nq ..; slots [first, first + ctx)
+};
+
+struct Item {
+  int64_t seq, kvh, t0, t1;  // the sequence's query tokens [t0, t1), every query head of KV head kvh
+  double cost;
+};
+
+// One thread's scratch for a tile of `rows_pad` query rows (a multiple of kW).
+struct Tile {
+  int64_t rows_pad = 0;
+  std::vector<float> qt, s, o, m, l, alpha, pos, kbuf, vbuf;
+  std::vector<uint32_t> qw, vw, pw;  // bfloat16 pairs (AVX512-BF16 path)
+};
+
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    int64_t i = 0;
+    for (; i + 2 * kW <= n; i += 2 * kW) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + kW);
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+// s[t][rows of vectors v0 .. v0 + NV) for keys t0 .. t0 + KR: the tile's queries (qt, transposed)
+// against each key's row, one broadcast value at a time.
+template <int64_t KR, int64_t NV>
+inline void qk_tile(const float* qt, int64_t rows_pad, const float* const* keys, int64_t D, int64_t v0, float* s,
+                    int64_t t) {
+  fVec acc[KR][NV];
+  for (int64_t i = 0; i < KR; ++i)
+    for (int64_t j = 0; j < NV; ++j) acc[i][j] = fVec(0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    fVec qv[NV];
+    for (int64_t j = 0; j < NV; ++j) qv[j] = fVec::loadu(qt + d * rows_pad + (v0 + j) * kW);
+    for (int64_t i = 0; i < KR; ++i) {
+      const fVec kb(keys[i][d]);
+      for (int64_t j = 0; j < NV; ++j) acc[i][j] = at::vec::fmadd(qv[j], kb, acc[i][j]);
+    }
+  }
+  for (int64_t i = 0; i < KR; ++i)
+    for (int64_t j = 0; j < NV; ++j) acc[i][j].store(s + (t + i) * rows_pad + (v0 + j) * kW);
+}
+
+template <int64_t KR>
+inline void qk_keys(const float* qt, int64_t rows_pad, const float* const* keys, int64_t D, float* s, int64_t t) {
+  const int64_t vecs = rows_pad / kW;
+  int64_t v = 0;
+  for (; v + kRowVecs <= vecs; v += kRowVecs) qk_tile<KR, kRowVecs>(qt, rows_pad, keys, D, v, s, t);
+  switch (vecs - v) {  // the rest in one tile: a tile of one vector would wait on each FMA's latency
+    case 3: if constexpr (kRowVecs > 3) qk_tile<KR, 3>(qt, rows_pad, keys, D, v, s, t); break;
+    case 2: if constexpr (kRowVecs > 2) qk_tile<KR, 2>(qt, rows_pad, keys, D, v, s, t); break;
+    case 1: qk_tile<KR, 1>(qt, rows_pad, keys, D, v, s, t); break;
+  }
+}
+
+// o[r .. r + MR][dims of vectors v0 .. v0 + NV] = alpha * o + sum over t < b of s[t][r] * V[t].
+template <int64_t MR, int64_t NV>
+inline void pv_tile(const float* s, int64_t rows_pad, const float* const* values, int64_t b, const float* alpha,
+                    float* o, int64_t D, int64_t r, int64_t v0) {
+  fVec acc[MR][NV];
+  for (int64_t i = 0; i < MR; ++i) {
+    const fVec a(alpha[r + i]);
+    for (int64_t j = 0; j < NV; ++j) acc[i][j] = fVec::loadu(o + (r + i) * D + (v0 + j) * kW) * a;
+  }
+  for (int64_t t = 0; t < b; ++t) {
+    fVec vv[NV];
+    for (int64_t j = 0; j < NV; ++j) vv[j] = fVec::loadu(values[t] + (v0 + j) * kW);
+    for (int64_t i = 0; i < MR; ++i) {
+      const fVec p(s[t * rows_pad + r + i]);
+      for (int64_t j = 0; j < NV; ++j) acc[i][j] = at::vec::fmadd(p, vv[j], acc[i][j]);
+    }
+  }
+  for (int64_t i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < NV; ++j) acc[i][j].store(o + (r + i) * D + (v0 + j) * kW);
+}
+
+inline void pv_block(const float* s, int64_t rows_pad, const float* const* values, int64_t b, const float* alpha,
+                     float* o, int64_t D) {
+  const int64_t vecs = D / kW;
+  for (int64_t r = 0; r < rows_pad; r += 4) {
+    int64_t v = 0;
+    for (; v + kDimVecs <= vecs; v += kDimVecs) pv_tile<4, kDimVecs>(s, rows_pad, values, b, alpha, o, D, r, v);
+    switch (vecs - v) {
+      case 3: if constexpr (kDimVecs > 3) pv_tile<4, 3>(s, rows_pad, values, b, alpha, o, D, r, v); break;
+      case 2: if constexpr (kDimVecs > 2) pv_tile<4, 2>(s, rows_pad, values, b, alpha, o, D, r, v); break;
+      case 1: pv_tile<4, 1>(s, rows_pad, values, b, alpha, o, D, r, v); break;
+    }
+  }
+}
+
+// The block's scores (s[t][row], t < b) scaled and masked, then the online softmax: each row's
+// running max m and sum l updated, alpha = the factor its accumulated output is rescaled by, and
+// s replaced by the weights exp(score - max). Rows that see no key yet keep max -inf and weight 0.
+inline void softmax_block(float* s, int64_t rows_pad, int64_t b, int64_t key0, int64_t window, float scale,
+                          const float* pos, float* m, float* l, float* alpha) {
+  const fVec neg_inf(-std::numeric_limits<float>::infinity()), zero(0.f), sc(scale);
+  for (int64_t v = 0; v < rows_pad; v += kW) {
+    const fVec p = fVec::loadu(pos + v);
+    const fVec low = window > 0 ? p - fVec(static_cast<float>(window)) : fVec(-1.f);  // keys at or below are out
+    fVec mx = fVec::loadu(m + v);
+    const fVec m_old = mx;
+    for (int64_t t = 0; t < b; ++t) {
+      const fVec kpos(static_cast<float>(key0 + t));
+      const fVec x = fVec::blendv(fVec::loadu(s + t * rows_pad + v) * sc, neg_inf, (kpos > p) | (kpos <= low));
+      x.store(s + t * rows_pad + v);
+      mx = at::vec::maximum(mx, x);
+    }
+    const fVec safe = fVec::blendv(mx, zero, mx == neg_inf);  // exp(-inf - -inf) would be NaN
+    const fVec a = (m_old - safe).exp();
+    fVec sum = zero;
+    for (int64_t t = 0; t < b; ++t) {
+      const fVec e = (fVec::loadu(s + t * rows_pad + v) - safe).exp();
+      e.store(s + t * rows_pad + v);
+      sum = sum + e;
+    }
+    (fVec::loadu(l + v) * a + sum).store(l + v);
+    mx.store(m + v);
+    a.store(alpha + v);
+  }
+}
+
+#if defined(__AVX512F__)
+bool cpu_has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// Q.K with AVX512-BF16: qw is the tile's queries as pairs of dimensions, transposed
+// ([head_dim / 2][rows]); each key's pair is broadcast.
+template <int64_t KR, int64_t NV>
+__attribute__((target("avx512f,avx512bf16"))) inline void qk_tile_bf16(const uint32_t* qw, int64_t rows_pad,
+                                                                       const uint32_t* const* keys, int64_t pairs,
+                                                                       int64_t v0, float* s, int64_t t) {
+  __m512 acc[KR][NV];
+  for (int64_t i = 0; i < KR; ++i)
+    for (int64_t j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < pairs; ++d) {
+    __m512bh qv[NV];
+    for (int64_t j = 0; j < NV; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qw + d * rows_pad + (v0 + j) * 16);
+    for (int64_t i = 0; i < KR; ++i) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(keys[i][d]));
+      for (int64_t j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qv[j], kb);
+    }
+  }
+  for (int64_t i = 0; i < KR; ++i)
+    for (int64_t j = 0; j < NV; ++j) _mm512_storeu_ps(s + (t + i) * rows_pad + (v0 + j) * 16, acc[i][j]);
+}
+
+template <int64_t KR>
+__attribute__((target("avx512f,avx512bf16"))) void qk_keys_bf16(const uint32_t* qw, int64_t rows_pad,
+                                                               const uint32_t* const* keys, int64_t pairs, float* s,
+                                                               int64_t t) {
+  const int64_t vecs = rows_pad / 16;
+  int64_t v = 0;
+  for (; v + 4 <= vecs; v += 4) qk_tile_bf16<KR, 4>(qw, rows_pad, keys, pairs, v, s, t);
+  switch (vecs - v) {
+    case 3: qk_tile_bf16<KR, 3>(qw, rows_pad, keys, pairs, v, s, t); break;
+    case 2: qk_tile_bf16<KR, 2>(qw, rows_pad, keys, pairs, v, s, t); break;
+    case 1: qk_tile_bf16<KR, 1>(qw, rows_pad, keys, pairs, v, s, t); break;
+  }
+}
+
+// The block's weights rounded to bfloat16, two keys to a 32-bit word ([keys / 2][rows]), and V's
+// rows packed to match ([keys / 2][head_dim]: key 2u's value low, key 2u + 1's high); a block of
+// odd length pairs its last key with zeros.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void pack_pairs_bf16(
+    const float* s, int64_t rows_pad, const at::BFloat16* const* values, int64_t b, int64_t D, uint32_t* pw,
+    uint32_t* vw) {
+  for (int64_t u = 0; 2 * u < b; ++u) {
+    const bool odd = 2 * u + 1 == b;
+    for (int64_t v = 0; v < rows_pad; v += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + 2 * u * rows_pad + v)));
+      const __m512i hi = odd ? _mm512_setzero_si512()
+                             : _mm512_cvtepu16_epi32(
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + (2 * u + 1) * rows_pad + v)));
+      _mm512_storeu_si512(pw + u * rows_pad + v, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    const uint16_t* r0 = reinterpret_cast<const uint16_t*>(values[2 * u]);
+    const uint16_t* r1 = odd ? nullptr : reinterpret_cast<const uint16_t*>(values[2 * u + 1]);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d)));
+      const __m512i hi =
+          odd ? _mm512_setzero_si512() : _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d)));
+      _mm512_storeu_si512(vw + u * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+template <int64_t MR, int64_t NV>
+__attribute__((target("avx512f,avx512bf16"))) inline void pv_tile_bf16(const uint32_t* pw, int64_t rows_pad,
+                                                                       const uint32_t* vw, int64_t pairs,
+                                                                       const float* alpha, float* o, int64_t D,
+                                                                       int64_t r, int64_t v0) {
+  __m512 acc[MR][NV];
+  for (int64_t i = 0; i < MR; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[r + i]);
+    for (int64_t j = 0; j < NV; ++j) acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(o + (r + i) * D + (v0 + j) * 16), a);
+  }
+  for (int64_t u = 0; u < pairs; ++u) {
+    __m512bh vv[NV];
+    for (int64_t j = 0; j < NV; ++j) vv[j] = (__m512bh)_mm512_loadu_si512(vw + u * D + (v0 + j) * 16);
+    for (int64_t i = 0; i < MR; ++i) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[u * rows_pad + r + i]));
+      for (int64_t j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], p, vv[j]);
+    }
+  }
+  for (int64_t i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < NV; ++j) _mm512_storeu_ps(o + (r + i) * D + (v0 + j) * 16, acc[i][j]);
+}
+
+__attribute__((target("avx512f,avx512bf16"))) void pv_block_bf16(const uint32_t* pw, int64_t rows_pad,
+                                                                const uint32_t* vw, int64_t b, const float* alpha,
+                                                                float* o, int64_t D) {
+  const int64_t vecs = D / 16, pairs = (b + 1) / 2;
+  for (int64_t r = 0; r < rows_pad; r += 4) {
+    int64_t v = 0;
+    for (; v + 4 <= vecs; v += 4) pv_tile_bf16<4, 4>(pw, rows_pad, vw, pairs, alpha, o, D, r, v);
+    switch (vecs - v) {
+      case 3: pv_tile_bf16<4, 3>(pw, rows_pad, vw, pairs, alpha, o, D, r, v); break;
+      case 2: pv_tile_bf16<4, 2>(pw, rows_pad, vw, pairs, alpha, o, D, r, v); break;
+      case 1: pv_tile_bf16<4, 1>(pw, rows_pad, vw, pairs, alpha, o, D, r, v); break;
+    }
+  }
+}
+#endif
+
+// One work item: query tokens [t0, t1) of sequence `sq`, every query head of KV head `kvh`.
+// Tile row rho = token * group + g.
+template <typename scalar_t>
+void run_item(const Item& it, const Seq& sq, const scalar_t* qp, int64_t q_s0, int64_t q_s1, const scalar_t* kp,
+              const scalar_t* vp, int64_t k_s0, int64_t k_s1, int64_t v_s0, int64_t v_s1, const int64_t* slots,
+              int64_t group, int64_t D, int64_t window, float scale, bool bf16_dot, scalar_t* op, int64_t o_s0,
+              int64_t o_s1, Tile& tile) {
+  const int64_t tokens = it.t1 - it.t0, rows = tokens * group;
+  const int64_t rows_pad = (rows + kW - 1) / kW * kW;
+  tile.rows_pad = rows_pad;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  tile.s.resize(kKeys * rows_pad);
+  tile.o.assign(rows_pad * D, 0.f);
+  tile.m.assign(rows_pad, neg_inf);
+  tile.l.assign(rows_pad, 0.f);
+  tile.alpha.resize(rows_pad);
+  tile.pos.assign(rows_pad, -1.f);  // padding rows see no key
+  const int64_t pos0 = sq.ctx - sq.nq + it.t0;  // position of the item's first query token
+  for (int64_t tok = 0; tok < tokens; ++tok)
+    for (int64_t g = 0; g < group; ++g) tile.pos[tok * group + g] = static_cast<float>(pos0 + tok);
+  // The queries, transposed: float32 ([D][rows]) or bfloat16 pairs ([D / 2][rows]).
+  const scalar_t* q0 = qp + (sq.row + it.t0) * q_s0 + it.kvh * group * q_s1;
+  if (bf16_dot) {
+    tile.qw.assign(D / 2 * rows_pad, 0u);
+    for (int64_t tok = 0; tok < tokens; ++tok)
+      for (int64_t g = 0; g < group; ++g) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(q0 + tok * q_s0 + g * q_s1);
+        for (int64_t d = 0; d < D / 2; ++d) tile.qw[d * rows_pad + tok * group + g] = src[d];
+      }
+    tile.pw.resize(kKeys / 2 * rows_pad);
+    tile.vw.resize(kKeys / 2 * D);
+  } else {
+    tile.qt.assign(D * rows_pad, 0.f);
+    for (int64_t tok = 0; tok < tokens; ++tok)
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* src = q0 + tok * q_s0 + g * q_s1;
+        for (int64_t d = 0; d < D; ++d) tile.qt[d * rows_pad + tok * group + g] = static_cast<float>(src[d]);
+      }
+    if constexpr (!std::is_same_v<scalar_t, float>) tile.kbuf.resize(kKeys * D), tile.vbuf.resize(kKeys * D);
+  }
+  const int64_t last = pos0 + tokens - 1;  // keys past the last query token's position are never seen
+  const int64_t key_begin = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  const int64_t* seq_slots = slots + sq.first;
+  const float* krow[kKeys];
+  const float* vrow[kKeys];
+  const scalar_t* kraw[kKeys];
+  const scalar_t* vraw[kKeys];
+  for (int64_t t0 = key_begin; t0 <= last; t0 += kKeys) {
+    const int64_t b = std::min(kKeys, last + 1 - t0);
+    for (int64_t t = 0; t < b; ++t) {
+      kraw[t] = kp + seq_slots[t0 + t] * k_s0 + it.kvh * k_s1;
+      vraw[t] = vp + seq_slots[t0 + t] * v_s0 + it.kvh * v_s1;
+    }
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (bf16_dot) {
+        const uint32_t* kw[kKeys];
+        for (int64_t t = 0; t < b; ++t) kw[t] = reinterpret_cast<const uint32_t*>(kraw[t]);
+        int64_t t = 0;
+        for (; t + 4 <= b; t += 4) qk_keys_bf16<4>(tile.qw.data(), rows_pad, kw + t, D / 2, tile.s.data(), t);
+        for (; t < b; ++t) qk_keys_bf16<1>(tile.qw.data(), rows_pad, kw + t, D / 2, tile.s.data(), t);
+        softmax_block(tile.s.data(), rows_pad, b, t0, window, scale, tile.pos.data(), tile.m.data(), tile.l.data(),
+                      tile.alpha.data());
+        pack_pairs_bf16(tile.s.data(), rows_pad, vraw, b, D, tile.pw.data(), tile.vw.data());
+        pv_block_bf16(tile.pw.data(), rows_pad, tile.vw.data(), b, tile.alpha.data(), tile.o.data(), D);
+        continue;
+      }
+    }
+#endif
+    for (int64_t t = 0; t < b; ++t) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        krow[t] = kraw[t];
+        vrow[t] = vraw[t];
+      } else {
+        widen(kraw[t], tile.kbuf.data() + t * D, D);
+        widen(vraw[t], tile.vbuf.data() + t * D, D);
+        krow[t] = tile.kbuf.data() + t * D;
+        vrow[t] = tile.vbuf.data() + t * D;
+      }
+    }
+    int64_t t = 0;
+    for (; t + 4 <= b; t += 4) qk_keys<4>(tile.qt.data(), rows_pad, krow + t, D, tile.s.data(), t);
+    for (; t < b; ++t) qk_keys<1>(tile.qt.data(), rows_pad, krow + t, D, tile.s.data(), t);
+    softmax_block(tile.s.data(), rows_pad, b, t0, window, scale, tile.pos.data(), tile.m.data(), tile.l.data(),
+                  tile.alpha.data());
+    pv_block(tile.s.data(), rows_pad, vrow, b, tile.alpha.data(), tile.o.data(), D);
+  }
+  for (int64_t tok = 0; tok < tokens; ++tok)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t rho = tok * group + g;
+      const float inv = 1.f / tile.l[rho];
+      scalar_t* dst = op + (sq.row + it.t0 + tok) * o_s0 + (it.kvh * group + g) * o_s1;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(tile.o[rho * D + d] * inv);
+    }
+}
+
+template <typename scalar_t>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<Seq>& seqs,
+         const int64_t* slots, int64_t window, double scale, at::Tensor& out) {
+  const int64_t heads = q.size(1), kv_heads = k_cache.size(1), D = q.size(2), group = heads / kv_heads;
+  bool bf16_dot = false;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) bf16_dot = cpu_has_bf16_dot();
+#endif
+  const int64_t tile_tokens = group == 1 ? 32 : 16;
+  std::vector<Item> items;
+  double total = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
+    const Seq& sq = seqs[i];
+    for (int64_t t0 = 0; t0 < sq.nq; t0 += tile_tokens) {
+      const int64_t t1 = std::min(sq.nq, t0 + tile_tokens);
+      const int64_t last = sq.ctx - sq.nq + t1 - 1;
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, sq.ctx - sq.nq + t0 - window + 1) : 0;
+      const double cost = static_cast<double>((t1 - t0) * group) * static_cast<double>(last + 1 - first_key) * D;
+      for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+        items.push_back({i, kvh, t0, t1, cost});
+        total += cost;
+      }
+    }
+  }
+  // Largest first, each to the thread with the least work so far.
+  const int64_t threads = total < kParallelMinWork ? 1 : std::min<int64_t>(at::get_num_threads(), items.size());
+  std::vector<int64_t> order(items.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
+  std::vector<std::vector<int64_t>> share(threads);
+  std::vector<double> load(threads, 0.0);
+  for (int64_t i : order) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    share[t].push_back(i);
+    load[t] += items[i].cost;
+  }
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+  auto work = [&](int64_t begin, int64_t end) {
+    Tile tile;
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i : share[t])
+        run_item<scalar_t>(items[i], seqs[items[i].seq], qp, q.stride(0), q.stride(1), kp, vp, k_cache.stride(0),
+                           k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), slots, group, D, window, fscale,
+                           bf16_dot, op, out.stride(0), out.stride(1), tile);
+  };
+  if (threads == 1)
+    work(0, 1);
+  else
+    at::parallel_for(0, threads, 1, work);
+}
+
+void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& q_starts, const at::Tensor& q_counts, const at::Tensor& indptr,
+                        const at::Tensor& slot_ids, int64_t window, double scale, at::Tensor out) {
+  kvmesh::check_attention_tensors(q, k_cache, v_cache, out);
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 512, "prefill_attention_: head size must be a multiple of 16 up to 512, got ", q.size(2));
+  for (const at::Tensor* t : {&q_starts, &q_counts, &indptr, &slot_ids})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
+                "q_starts, q_counts, indptr and slot_ids must be contiguous int64 vectors");
+  const int64_t n = q_starts.size(0);
+  TORCH_CHECK(q_counts.size(0) == n && indptr.size(0) == n + 1, "one q_count per q_start, and n + 1 indptr entries");
+  const int64_t* starts = q_starts.data_ptr<int64_t>();
+  const int64_t* counts = q_counts.data_ptr<int64_t>();
+  const int64_t* ptr = indptr.data_ptr<int64_t>();
+  const int64_t* slots = slot_ids.data_ptr<int64_t>();
+  // Reads go wherever the indices point: check them once per call.
+  TORCH_CHECK(ptr[0] == 0 && ptr[n] == slot_ids.size(0), "indptr must span slot_ids");
+  std::vector<Seq> seqs(n);
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t ctx = ptr[s + 1] - ptr[s];
+    TORCH_CHECK(counts[s] >= 1 && counts[s] <= ctx, "a sequence's query count must be 1 .. its context length");
+    TORCH_CHECK(starts[s] >= 0 && starts[s] + counts[s] <= q.size(0), "query rows out of range");
+    seqs[s] = {starts[s], counts[s], ptr[s], ctx};
+  }
+  kvmesh::check_slots(slot_ids, k_cache, v_cache);
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention_", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "prefill_attention_: float64 is not supported");
+    } else {
+      run<scalar_t>(q, k_cache, v_cache, seqs, slots, window, scale, out);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("prefill_attention_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_starts, Tensor q_counts, "
+        "Tensor indptr, Tensor slot_ids, int window, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("prefill_attention_", prefill_attention_); }
