@@ -20,7 +20,8 @@
 // heads over 4 of 64: float32 11.5 -> 7.1 ms per call, bfloat16 10.7 -> 4.6 ms; the cheap model's
 // 16-wide heads, 128 sequences, two threads: 3.1 -> 2.1 ms); there the next block's rows are
 // prefetched while a block is computed (`Ahead`; AMD EPYC Zen 3, kernel alone: 10-20% less time
-// per call, docs/benchmarks.md).
+// per call, docs/benchmarks.md), and so they are in the AVX-512 path, into L2 (Zen 4: float32
+// 6.2 -> 3.9 ms, bfloat16 4.4 -> 2.2 ms per call).
 //
 // Registered as torch.ops.kvmesh.decode_attention_ (writes into `out`).
 
@@ -47,6 +48,44 @@ namespace {
 // Below this many K values per call (1 MB of K and V in float32, some tens of microseconds on
 // one core) the work stays on the calling thread.
 constexpr int64_t kParallelMinElements = 1 << 17;
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// Prefetches the next block's K and V rows while this block is computed, a few cache lines at each
+// step of the weighted sum of V, whole rows in address order. Without it every block waited on
+// memory first and computed after: a block's rows for one KV head are 256-byte pieces at the
+// row's stride (1 KiB for the benchmark model), which the hardware prefetchers follow badly (read
+// so, K and V arrive at about 15 GB/s on an AMD EPYC Zen 3 core; whole rows in order, 21-24). The
+// lines are spread over the block's steps rather than issued at its start: a burst of a thousand
+// prefetches waits on the core's few miss buffers and gained nothing. `kHint` is the cache level:
+// the AVX-512 path fetches into L2 (_MM_HINT_T1): a float32 block of the benchmark model's K and
+// V is 64 KiB, twice an L1, and fetched into L1 it was evicted before use (AMD EPYC Zen 4, one
+// thread, 32 sequences of about 600 tokens: into L1 float32 6.2 -> 6.1 ms per call, bfloat16
+// 4.4 -> 2.6; into L2 3.9 and 2.2). The AVX2 path keeps L1 (_MM_HINT_T0), as measured on Zen 3.
+template <int kHint>
+struct Ahead {
+  const char* k;
+  const char* v;
+  int64_t k_row_bytes, v_row_bytes;  // a slot's stride in the caches
+  int64_t lines;                     // cache lines of one slot's K row (and V row) that the call reads
+  const int64_t* slots = nullptr;    // the block to fetch: `rows` slots
+  int64_t rows = 0, row = 0, line = 0;
+
+  void start(const int64_t* block, int64_t n) {
+    slots = block;
+    rows = n;
+    row = line = 0;
+  }
+  inline void step(int64_t count) {
+    for (int64_t c = 0; c < count && row < rows; ++c) {
+      const char* p = line < lines ? k + slots[row] * k_row_bytes + 64 * line
+                                   : v + slots[row] * v_row_bytes + 64 * (line - lines);
+      _mm_prefetch(p, static_cast<_mm_hint>(kHint));
+      if (++line == 2 * lines) line = 0, ++row;
+    }
+  }
+};
+
+#endif
 
 #if defined(__AVX512F__)
 // 16 values as float32 lanes: float32 loaded as is, bfloat16 widened (its bits are the top half of
@@ -205,9 +244,16 @@ template <typename scalar_t, int64_t kVec>
 void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar_t* k, const scalar_t* v, int64_t k_s1,
                   int64_t v_s1, const int64_t* slots, int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads,
                   int64_t group, float scale, float* acc, float* scores, float* m, float* sums, float* kbuf,
-                  float* vbuf) {
+                  float* vbuf, const int64_t* next_slots, int64_t next_n) {
   constexpr int64_t D = kVec * 16;
   constexpr bool kWide = std::is_same_v<scalar_t, float>;
+  Ahead<_MM_HINT_T1> ahead{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v),
+              k_s0 * static_cast<int64_t>(sizeof(scalar_t)), v_s0 * static_cast<int64_t>(sizeof(scalar_t)),
+              (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64};
+  // The next block's lines (then the next sequence's first block) are spread over this block's
+  // chunks of 16 keys, one visit per query head.
+  const int64_t visits = heads * group * (kBlock / 16);
+  const int64_t per_visit = (2 * ahead.lines * kBlock + visits - 1) / visits;
   // bfloat16 keys go straight into AVX512-BF16 dot products where the CPU has them (and the head
   // size is a multiple of 32); otherwise every row is widened to float32 first.
   bool bf16_dot = false;
@@ -220,6 +266,10 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
   for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
     const int64_t b = std::min(kBlock, n - t0);
     const int64_t* block = slots + t0;
+    if (t0 + b < n)
+      ahead.start(block + b, std::min(kBlock, n - t0 - b));
+    else
+      ahead.start(next_slots, next_slots ? std::min(kBlock, next_n) : 0);
     for (int64_t kvh = 0; kvh < heads; ++kvh) {
       const scalar_t* kh = k + kvh * k_s1;
       const scalar_t* vh = v + kvh * v_s1;
@@ -247,6 +297,7 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
         __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t i0 = 0; i0 < b; i0 += 16) {  // 16 keys' dot products, summed together
           const int64_t c = std::min<int64_t>(16, b - i0);
+          ahead.step(per_visit);
           __m512 dots[16];
           if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
             if (bf16_dot) dots_bf16(q + h * q_s1, kh, block + i0, c, k_s0, kVec / 2, dots);
@@ -384,36 +435,6 @@ inline __m256 first_lanes(int64_t c) {
 constexpr int64_t kBlock = 32;  // as in the AVX-512 path: a block of rows stays in cache for the group
 constexpr int64_t kLanes = 8;  // float32 lanes of a vector: head sizes that are a multiple take this path
 
-// Prefetches the next block's K and V rows while this block is computed, a few cache lines at each
-// step of the weighted sum of V, whole rows in address order. Without it every block waited on
-// memory first and computed after: a block's rows for one KV head are 256-byte pieces at the
-// row's stride (1 KiB for the benchmark model), which the hardware prefetchers follow badly (read
-// so, K and V arrive at about 15 GB/s on an AMD EPYC Zen 3 core; whole rows in order, 21-24). The
-// lines are spread over the block's steps rather than issued at its start: a burst of a thousand
-// prefetches waits on the core's few miss buffers and gained nothing.
-struct Ahead {
-  const char* k;
-  const char* v;
-  int64_t k_row_bytes, v_row_bytes;  // a slot's stride in the caches
-  int64_t lines;                     // cache lines of one slot's K row (and V row) that the call reads
-  const int64_t* slots = nullptr;    // the block to fetch: `rows` slots
-  int64_t rows = 0, row = 0, line = 0;
-
-  void start(const int64_t* block, int64_t n) {
-    slots = block;
-    rows = n;
-    row = line = 0;
-  }
-  inline void step(int64_t count) {
-    for (int64_t c = 0; c < count && row < rows; ++c) {
-      const char* p = line < lines ? k + slots[row] * k_row_bytes + 64 * line
-                                   : v + slots[row] * v_row_bytes + 64 * (line - lines);
-      _mm_prefetch(p, _MM_HINT_T0);
-      if (++line == 2 * lines) line = 0, ++row;
-    }
-  }
-};
-
 // How many 8-lane vectors of a row the weighted sum of V keeps in registers at once (a divisor of
 // the row's kVec, at most 8: AVX2 has 16 registers), and how many tokens it accumulates side by
 // side, so that at least 8 independent FMA chains hide each FMA's latency.
@@ -438,7 +459,7 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
   constexpr bool kWide = std::is_same_v<scalar_t, float>;
   constexpr int64_t kChunk = chunk_of(kVec);
   constexpr int64_t kSets = kChunk >= 8 ? 1 : (8 + kChunk - 1) / kChunk;
-  Ahead ahead{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v),
+  Ahead<_MM_HINT_T0> ahead{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v),
               k_s0 * static_cast<int64_t>(sizeof(scalar_t)), v_s0 * static_cast<int64_t>(sizeof(scalar_t)),
               (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64};
   // A block's token is visited heads * group * (kVec / kChunk) times by the weighted sum of V; its
@@ -592,14 +613,15 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]);
         }
         scores.resize(group * kBlock);
+        // The next sequence this thread takes reads the same heads' pointers where items are whole rows.
+        const bool next = whole_rows && work + 1 < end;
 #if defined(__AVX512F__)
         heads_avx512<scalar_t, kHeadDim / 16>(qf.data(), qp + row * q_s0 + h0 * q_s1, q_s1, kp + kv0 * k_s1,
                                               vp + kv0 * v_s1, k_s1, v_s1, slots + first, n, k_s0, v_s0,
                                               heads_per_item, group, fscale, acc.data(), scores.data(), maxes.data(),
-                                              sums.data(), kbuf.data(), vbuf.data());
+                                              sums.data(), kbuf.data(), vbuf.data(), next ? slots + ptr[s + 1] : nullptr,
+                                              next ? ptr[s + 2] - ptr[s + 1] : 0);
 #else
-        // The next sequence this thread takes reads the same heads' pointers where items are whole rows.
-        const bool next = whole_rows && work + 1 < end;
         heads_avx2<scalar_t, kHeadDim / 8>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
                                            k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
                                            maxes.data(), sums.data(), kbuf.data(), vbuf.data(),
