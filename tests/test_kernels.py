@@ -373,6 +373,23 @@ def test_fused_rms_norm_rounds_where_transformers_rounds(dtype, rows):
     assert torch.equal(ops.rms_norm(x[::2], w, 1e-6), got[::2])
 
 
+@pytest.mark.parametrize("rows", FUSED_ROWS)
+def test_fused_rms_norm_in_float32_is_transformers_up_to_the_order_of_the_sum(rows):
+    """transformers' float32 LlamaRMSNorm is six torch operators; the fused one sums a row in
+    another order and takes 1 / sqrt where torch takes rsqrt, so a row's scale factor may be one
+    unit of the last place away; the two roundings after it (x times the scale, then the weight)
+    are the same operations as torch's, so each value is within three units of the last place
+    relative to its size."""
+    ops = _fused()
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 768, generator=g) * 3
+    w = torch.randn(768, generator=g)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    got = ops.rms_norm(x, w, 1e-6)
+    assert got.dtype == torch.float32
+    assert ((got - want).abs() <= 3 * torch.finfo(torch.float32).eps * want.abs()).all()
+
+
 def test_fused_operators_refuse_what_they_cannot_compute():
     ops = _fused()
     with pytest.raises(RuntimeError, match="silu_mul: gate_up must have an even number of columns"):

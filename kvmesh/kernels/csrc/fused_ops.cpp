@@ -1,5 +1,5 @@
-// A decoder layer's elementwise steps, each in one pass over its rows: RMSNorm in half precision,
-// the rotary embedding of q and k in place, and SiLU(gate) * up.
+// A decoder layer's elementwise steps, each in one pass over its rows: RMSNorm, the rotary
+// embedding of q and k in place, and SiLU(gate) * up.
 //
 // torch runs them as 3 to 8 operators each (RMSNorm in bfloat16 is eight: a cast, pow, mean, add,
 // rsqrt, mul, a cast back, mul), each a pass over memory and, above a few thousand elements, an
@@ -13,7 +13,9 @@
 // is built with -ffp-contract=off, so no multiply and add are fused into one rounding), and
 // bfloat16 / float16 ones round where transformers rounds. One difference: torch computes the
 // tail of a row (past the last full vector) with the C library's exp, this file with Sleef's, so
-// a result no longer depends on how a tensor happened to be split between threads.
+// a result no longer depends on how a tensor happened to be split between threads. RMSNorm sums
+// each row in its own order (torch's mean has another), so its scale factor may be one unit of the
+// last place away from torch's.
 //
 // Registered as torch.ops.kvmesh.rms_norm, torch.ops.kvmesh.rotary_ (in place) and
 // torch.ops.kvmesh.silu_mul.

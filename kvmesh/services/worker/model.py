@@ -6,13 +6,15 @@ Projections are fused at load time (q|k|v and gate|up) so one step runs few, lar
 products; logits are computed only for the rows that are sampled. A half-precision model on a CPU
 where oneDNN has no kernel for its dtype multiplies in float32 (`kernels.linear.half_linear_dtype`).
 
-On the CPU, a layer's elementwise steps (half-precision RMSNorm, the rotary embedding, SiLU(gate) *
-up) are kvmesh's fused C++ operators (`kernels/csrc/fused_ops.cpp`), one pass each where torch
-runs three to eight operators, rounding where transformers' operators round.
+On the CPU, a layer's elementwise steps (RMSNorm, the rotary embedding, SiLU(gate) * up) are
+kvmesh's fused C++ operators (`kernels/csrc/fused_ops.cpp`), one pass each where torch runs three
+to eight operators, rounding where transformers' operators round (RMSNorm sums a row in another
+order: its result may be a unit of the last place off; in float32 torch's `F.rms_norm` took
+1.5 ms for 512 rows of 768 where the fused operator takes 0.08).
 
 Weights, rotary tables and the KV cache live on the model's device. Attention is planned once
-per step for that device (`kernels.attention.plan_attention`): kvmesh's C++ decode kernel on the
-CPU, its Triton kernels on CUDA, torch's attention where neither applies.
+per step for that device (`kernels.attention.plan_attention`): kvmesh's C++ decode and prefill
+kernels on the CPU, its Triton kernels on CUDA, torch's attention where neither applies.
 """
 
 from __future__ import annotations
@@ -160,10 +162,10 @@ class CausalLM:
         )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op where transformers' float32 math is six
-            return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
-        if self.fused is not None:  # half precision: transformers' eight operators and roundings in one
+        if self.fused is not None:  # transformers' six (float32) or eight (half precision) operators in one pass
             return self.fused.rms_norm(x, weight, self.cfg.rms_norm_eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
         h = x.float()  # half precision: normalized in float32, rounded, then scaled, as transformers does
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return weight * h.to(x.dtype)
