@@ -51,7 +51,8 @@ constexpr int64_t kParallelMinElements = 1 << 17;
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // Prefetches the next block's K and V rows while this block is computed, a few cache lines at each
-// step of the weighted sum of V, whole rows in address order. Without it every block waited on
+// step of the block's work (AVX2: the weighted sum of V; AVX-512: each 16 keys' scores), whole rows
+// in address order. Without it every block waited on
 // memory first and computed after: a block's rows for one KV head are 256-byte pieces at the
 // row's stride (1 KiB for the benchmark model), which the hardware prefetchers follow badly (read
 // so, K and V arrive at about 15 GB/s on an AMD EPYC Zen 3 core; whole rows in order, 21-24). The
@@ -695,7 +696,6 @@ void decode_attention_(const at::Tensor& q, const at::Tensor& k_cache, const at:
   {  // Reads go wherever the indices point: check them once per call (microseconds).
     const int64_t* ptr = indptr.data_ptr<int64_t>();
     const int64_t* rows = q_rows.data_ptr<int64_t>();
-    const int64_t* slots = slot_ids.data_ptr<int64_t>();
     TORCH_CHECK(ptr[0] == 0 && ptr[q_rows.size(0)] == slot_ids.size(0), "indptr must span slot_ids");
     for (int64_t s = 0; s < q_rows.size(0); ++s) {
       TORCH_CHECK(ptr[s + 1] > ptr[s], "every sequence must see at least one slot");
