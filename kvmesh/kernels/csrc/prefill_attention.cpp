@@ -68,9 +68,9 @@ struct Item {
   double cost;
 };
 
-// One thread's scratch for a tile of `rows_pad` query rows (a multiple of kW).
+// One thread's scratch, sized per tile by run_item (its rows padded to a multiple of kW), kept
+// across the thread's tiles so their buffers are allocated once.
 struct Tile {
-  int64_t rows_pad = 0;
   std::vector<float> qt, s, o, m, l, alpha, pos, kbuf, vbuf;
   std::vector<uint32_t> qw, vw, pw;  // bfloat16 pairs (AVX512-BF16 path)
 };
@@ -302,7 +302,6 @@ void run_item(const Item& it, const Seq& sq, const scalar_t* qp, int64_t q_s0, i
               int64_t o_s1, Tile& tile) {
   const int64_t tokens = it.t1 - it.t0, rows = tokens * group;
   const int64_t rows_pad = (rows + kW - 1) / kW * kW;
-  tile.rows_pad = rows_pad;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   tile.s.resize(kKeys * rows_pad);
   tile.o.assign(rows_pad * D, 0.f);
