@@ -14,7 +14,11 @@
 // sequences of 620 tokens, 12 heads over 4, head_dim 64, two threads: bfloat16 0.96 -> 0.63 ms
 // per call, float32 1.63 -> 1.24 ms), and so do bfloat16 V rows, two tokens at a time against
 // their weights rounded to bfloat16 (pv_bf16; AMD EPYC Zen 4, one thread, 32 sequences of about
-// 600 tokens: 2.95-4.19 -> 2.33-3.44 ms per call over five alternated runs). With AVX2 and FMA
+// 600 tokens: 2.95-4.19 -> 2.33-3.44 ms per call over five alternated runs). Without AVX512-BF16
+// (Intel Skylake-SP to Ice Lake), bfloat16 rows are read as stored too, each 32-value load split
+// into its even and odd values as float32 (split32) where they were widened into a float32 copy
+// first (Intel Xeon, Ice Lake, one thread, 32 sequences: about 600 tokens 3.0-3.3 -> 2.2-2.3 ms
+// per call, about 4,096 tokens 23.0 -> 16.3 ms). With AVX2 and FMA
 // but no AVX-512 (AMD Zen 1-3, older Intel), the same one-pass algorithm in 8-lane vectors takes
 // every head size `run` is compiled for (AMD EPYC, one thread, 32 sequences of 600 tokens, 12
 // heads over 4 of 64: float32 11.5 -> 7.1 ms per call, bfloat16 10.7 -> 4.6 ms; the cheap model's
@@ -235,6 +239,40 @@ void natural_order(float* acc, int64_t vecs32) {
   }
 }
 
+// bfloat16 values 2i and 2i + 1 share 32-bit lane i of a load, the first in its low half: shifted
+// up, it is a float32 (the even values); masked, the high half is one too (the odd values). So a
+// CPU without AVX512-BF16 reads bfloat16 K and V rows as stored, 32 values a load and one
+// instruction per 16 of them, instead of widening each row into a float32 copy first; the dot
+// products and the weighted sum of V run on the values in this split order (queries permuted to
+// match, `split_query`), which a sum does not mind, and `split_to_natural` puts the output back.
+inline void split32(const at::BFloat16* p, __m512& even, __m512& odd) {
+  const __m512i x = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// Float32 values 32j..32j+31 of `x` in split order: `even` gets values 32j + 2i, `odd` 32j + 2i + 1.
+inline void split_query(const float* x, __m512& even, __m512& odd) {
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+  even = _mm512_permutex2var_ps(lo, evens, hi);
+  odd = _mm512_permutex2var_ps(lo, _mm512_add_epi32(evens, _mm512_set1_epi32(1)), hi);
+}
+
+// One head's accumulator (D = 32 * vecs32 floats) from split order (each 32 values as 16 even, 16
+// odd) back to value order.
+void split_to_natural(float* acc, int64_t vecs32) {
+  float tmp[32];
+  for (int64_t j = 0; j < vecs32; ++j) {
+    float* x = acc + 32 * j;
+    for (int64_t i = 0; i < 16; ++i) {
+      tmp[2 * i] = x[i];
+      tmp[2 * i + 1] = x[16 + i];
+    }
+    std::memcpy(x, tmp, sizeof tmp);
+  }
+}
+
 // One sequence, KV heads [0, heads) of the pointers given: every query head of each KV head's GQA
 // group, block by block over the context, with an online softmax in float32. Within a block the
 // KV heads go one after another over the same rows, so a block's rows (all heads of a slot are
@@ -259,6 +297,9 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
   // size is a multiple of 32); otherwise every row is widened to float32 first.
   bool bf16_dot = false;
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kVec % 2 == 0 && kVec <= 16) bf16_dot = cpu_has_bf16_dot();
+  // Without it, bfloat16 rows of a head size that is a multiple of 32 are read in split order (split32).
+  constexpr bool kSplittable = std::is_same_v<scalar_t, at::BFloat16> && kVec % 2 == 0;
+  const bool split = kSplittable && !bf16_dot;
   for (int64_t h = 0; h < heads * group; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     sums[h] = 0.f;
@@ -275,7 +316,7 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
       const scalar_t* kh = k + kvh * k_s1;
       const scalar_t* vh = v + kvh * v_s1;
       if constexpr (!kWide) {  // half precision: widen the block's rows once, not once per query head
-        for (int64_t t = 0; t < b && !bf16_dot; ++t) {  // (with the bf16 dot, K and V are read as stored)
+        for (int64_t t = 0; t < b && !bf16_dot && !split; ++t) {  // (with the bf16 dot or split, K and V are read as stored)
           const scalar_t* key = kh + block[t] * k_s0;
           const scalar_t* value = vh + block[t] * v_s0;
           for (int64_t j = 0; j < kVec; ++j) {
@@ -293,17 +334,36 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kvh * group + g;
         __m512 qv[kVec], av[kVec];
-        for (int64_t j = 0; j < kVec; ++j) qv[j] = _mm512_loadu_ps(qf + h * D + 16 * j);
+        if (split) {
+          for (int64_t j = 0; j + 1 < kVec; j += 2) split_query(qf + h * D + 16 * j, qv[j], qv[j + 1]);
+        } else {
+          for (int64_t j = 0; j < kVec; ++j) qv[j] = _mm512_loadu_ps(qf + h * D + 16 * j);
+        }
         float* sg = scores + g * kBlock;
         __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t i0 = 0; i0 < b; i0 += 16) {  // 16 keys' dot products, summed together
           const int64_t c = std::min<int64_t>(16, b - i0);
           ahead.step(per_visit);
           __m512 dots[16];
-          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if constexpr (kSplittable) {
             if (bf16_dot) dots_bf16(q + h * q_s1, kh, block + i0, c, k_s0, kVec / 2, dots);
+            for (int64_t i = 0; i < 16 && split; ++i) {
+              if (i >= c) {
+                dots[i] = _mm512_setzero_ps();
+                continue;
+              }
+              const scalar_t* key = kh + block[i0 + i] * k_s0;
+              __m512 even, odd;
+              split32(key, even, odd);
+              __m512 dot = _mm512_fmadd_ps(qv[1], odd, _mm512_mul_ps(qv[0], even));
+              for (int64_t j = 2; j < kVec; j += 2) {
+                split32(key + 16 * j, even, odd);
+                dot = _mm512_fmadd_ps(qv[j + 1], odd, _mm512_fmadd_ps(qv[j], even, dot));
+              }
+              dots[i] = dot;
+            }
           }
-          for (int64_t i = 0; i < 16 && !bf16_dot; ++i) {
+          for (int64_t i = 0; i < 16 && !bf16_dot && !split; ++i) {
             if (i >= c) {
               dots[i] = _mm512_setzero_ps();
               continue;
@@ -345,6 +405,30 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
           a1[j] = a2[j] = a3[j] = _mm512_setzero_ps();
         }
         int64_t t = 0;
+        if constexpr (kSplittable) {
+          if (split) {  // acc in split order: vector j even values, j + 1 odd, of values 16j..16j+31
+            auto add_row = [&](int64_t token, __m512* sum) {
+              const scalar_t* value = vh + block[token] * v_s0;
+              const __m512 p = _mm512_set1_ps(sg[token]);
+              for (int64_t j = 0; j < kVec; j += 2) {
+                __m512 even, odd;
+                split32(value + 16 * j, even, odd);
+                sum[j] = _mm512_fmadd_ps(p, even, sum[j]);
+                sum[j + 1] = _mm512_fmadd_ps(p, odd, sum[j + 1]);
+              }
+            };
+            for (; t + 4 <= b; t += 4) {
+              add_row(t, av);
+              add_row(t + 1, a1);
+              add_row(t + 2, a2);
+              add_row(t + 3, a3);
+            }
+            for (; t < b; ++t) add_row(t, av);
+            for (int64_t j = 0; j < kVec; ++j)
+              _mm512_storeu_ps(acc + h * D + 16 * j, _mm512_add_ps(_mm512_add_ps(av[j], a1[j]), _mm512_add_ps(a2[j], a3[j])));
+            continue;
+          }
+        }
         for (; t + 4 <= b; t += 4) {
           const float *v0 = value_row(t), *v1 = value_row(t + 1), *v2 = value_row(t + 2), *v3 = value_row(t + 3);
           const __m512 p0 = _mm512_set1_ps(sg[t]), p1 = _mm512_set1_ps(sg[t + 1]);
@@ -368,6 +452,8 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
   }
   if (bf16_dot)
     for (int64_t h = 0; h < heads * group; ++h) natural_order(acc + h * D, kVec / 2);
+  if (split)
+    for (int64_t h = 0; h < heads * group; ++h) split_to_natural(acc + h * D, kVec / 2);
 }
 #elif defined(__AVX2__)
 // The same algorithm as heads_avx512 in 8-lane vectors, for CPUs with AVX2 and FMA but no
