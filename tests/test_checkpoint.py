@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvmesh.engine import EngineConfig, LLMEngine
-from kvmesh.kernels.linear import onednn_multiplies
+from kvmesh.kernels.linear import native_half_products
 from kvmesh.params import SamplingParams, StoppingParams
 from kvmesh.services.worker.checkpoint import CheckpointError, load_config
 from kvmesh.services.worker.model import CausalLM
@@ -82,9 +82,9 @@ def test_half_precision_checkpoints_load_in_their_dtype(tmp_path, dtype):
     assert str(model.dtype) == f"torch.{dtype}" and model.embed.dtype == model.dtype
     [done] = LLMEngine(EngineConfig(num_pages=16), model=model).generate([PROMPT], GREEDY, StoppingParams(max_new_tokens=4))
     assert len(done.token_ids) >= 1
-    # Matrix products in the model's dtype, or in float32 on a CPU where oneDNN has none for it (the
+    # Matrix products in the model's dtype, or in float32 on a CPU with no fast kernel for it (the
     # float32 copies fit: a tiny model); the memory the worker plans for counts them as held.
-    own = onednn_multiplies(model.dtype)
+    own = native_half_products(model.dtype)
     assert model.linear_dtype == (model.dtype if own else torch.float32)
     assert model.lm_head.compute_dtype == (None if own else torch.float32)
     cfg = model.cfg

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.kernels.linear import PackedLinear, half_linear_dtype, onednn_multiplies
+from kvmesh.kernels.linear import PackedLinear, half_linear_dtype, native_half_products, onednn_multiplies
 
 SHAPES = [(1, 1), (48, 33), (256, 64), (130, 257)]  # (out_features, in_features)
 
@@ -128,11 +128,32 @@ def test_a_compute_dtype_equal_to_the_weights_changes_nothing():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_multiplies_in_float32_only_where_onednn_has_no_kernel_and_memory_allows(dtype):
+def test_half_precision_multiplies_in_float32_only_where_the_cpu_has_no_fast_kernel_and_memory_allows(dtype):
     cpu, plenty, gib = torch.device("cpu"), 1 << 40, 1 << 30
-    expected = dtype if onednn_multiplies(dtype) else torch.float32
+    expected = dtype if native_half_products(dtype) else torch.float32
     assert half_linear_dtype(dtype, cpu, gib, available=plenty) == expected
     # float32 copies of 1 GiB of weights need 2 GiB available: with less, the model keeps its dtype
     assert half_linear_dtype(dtype, cpu, gib, available=2 * gib - 1) == dtype
     assert half_linear_dtype(torch.float32, cpu, gib, available=plenty) == torch.float32
     assert half_linear_dtype(dtype, torch.device("cuda"), gib, available=plenty) == dtype
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_bfloat16_is_multiplied_as_stored_only_on_a_cpu_with_bfloat16_dot_products():
+    """oneDNN has bfloat16 kernels on any AVX-512 CPU, but without AVX512-BF16 or AMX they widen
+    both operands to float32 first and ran 3-4.7x slower than float32 (kernels/linear.py): there a
+    bfloat16 model multiplies in float32. The CPU's own flags say which this machine is."""
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this system")
+    dot = bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert native_half_products(torch.bfloat16) == (dot and onednn_multiplies(torch.bfloat16))
+    expected = torch.bfloat16 if native_half_products(torch.bfloat16) else torch.float32
+    assert half_linear_dtype(torch.bfloat16, torch.device("cpu"), 1 << 20, available=1 << 40) == expected

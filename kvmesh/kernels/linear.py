@@ -14,6 +14,17 @@ the weights are widened once at load, each input per call, and each product roun
 model's dtype. bfloat16 and float16 products are exact in float32 and the kernels sum in float32
 either way, so the result is the half-precision product's up to the order of the sums; the cost
 is the weights' memory, twice theirs.
+
+The same holds for bfloat16 where oneDNN has a kernel but the CPU has no bfloat16 dot products
+(AVX-512 without AVX512-BF16 or AMX: Intel Skylake-SP to Ice Lake): oneDNN then widens both
+operands before multiplying, and its bfloat16 products ran 3-4.7x slower than float32's from 32
+rows up (Intel Xeon, Ice Lake, two threads, the benchmark model's shapes, float32 products of
+the same bfloat16 values: 32 rows 1.1-4.3 ms against 0.6-1.3 ms; 1,024 rows 35-134 ms against
+13-35), 1.5-1.6x slower at four rows, level at two; only at one row, where reading half the bytes
+is what counts, were they faster (0.12-0.29 ms against 0.21-0.49). So such a CPU multiplies
+bfloat16 in float32 too (`native_half_products`): a single stream's steps lose that (bench-125m
+in bfloat16, one stream: 44-47 -> 33 tok/s), every batch gains (the engine issue's workload: 101
+-> 220 output tok/s).
 """
 
 from __future__ import annotations
@@ -49,25 +60,36 @@ def onednn_multiplies(dtype: torch.dtype) -> bool:
     return True
 
 
+def native_half_products(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` at least as fast as float32: oneDNN has a kernel for it
+    and, for bfloat16, the CPU has bfloat16 dot products (AVX512-BF16 or AMX) for it to run on."""
+    if not onednn_multiplies(dtype):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return True
+
+
 def half_linear_dtype(dtype: torch.dtype, device: torch.device, weight_bytes: int,
                       available: int | None = None) -> torch.dtype:
     """The dtype a model of `dtype` with `weight_bytes` of matrix weights multiplies them in on
-    `device`: float32 for a half-precision model on a CPU where oneDNN has no kernel for its dtype
-    (see the module's docstring) when the float32 copies (`weight_bytes` more) fit in half of the
-    memory available (`available`, default the system's); its own dtype otherwise."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or onednn_multiplies(dtype):
+    `device`: float32 for a half-precision model on a CPU that has no fast kernel for its dtype
+    (`native_half_products`; see the module's docstring) when the float32 copies (`weight_bytes`
+    more) fit in half of the memory available (`available`, default the system's); its own dtype
+    otherwise."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or native_half_products(dtype):
         return dtype
     import psutil
 
     name = str(dtype).removeprefix("torch.")
     available = psutil.virtual_memory().available if available is None else available
     if 2 * weight_bytes > available:
-        log.warning("this CPU has no oneDNN kernel for %s, whose matrix products then run several times slower "
+        log.warning("this CPU has no fast oneDNN kernel for %s, whose matrix products then run several times slower "
                     "than float32; multiplying in float32 would take %d MiB more than the %d MiB available can spare "
                     "(half of it): left in %s (--dtype float32 trades the memory for the speed)", name,
                     weight_bytes >> 20, available >> 20, name)
         return dtype
-    log.info("this CPU has no oneDNN kernel for %s: its matrix products run in float32 (%d MiB more weights), "
+    log.info("this CPU has no fast oneDNN kernel for %s: its matrix products run in float32 (%d MiB more weights), "
              "rounded to %s", name, weight_bytes >> 20, name)
     return torch.float32
 

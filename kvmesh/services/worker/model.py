@@ -4,7 +4,8 @@ The math follows transformers' implementation step for step (RMSNorm in float32,
 embeddings from a float32 table, softmax attention, SiLU-gated MLP) so greedy tokens match it.
 Projections are fused at load time (q|k|v and gate|up) so one step runs few, large matrix
 products; logits are computed only for the rows that are sampled. A half-precision model on a CPU
-where oneDNN has no kernel for its dtype multiplies in float32 (`kernels.linear.half_linear_dtype`).
+without a fast kernel for its dtype (none in oneDNN, or bfloat16 without AVX512-BF16 or AMX)
+multiplies in float32 (`kernels.linear.half_linear_dtype`).
 
 On the CPU, a layer's elementwise steps (RMSNorm, the rotary embedding, SiLU(gate) * up) are
 kvmesh's fused C++ operators (`kernels/csrc/fused_ops.cpp`), one pass each where torch runs three
@@ -96,7 +97,7 @@ class CausalLM:
         w = {name: t.to(self.device) for name, t in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        # the dtype of the matrix products: the model's, or float32 on a CPU with no kernel for its dtype
+        # the dtype of the matrix products: the model's, or float32 on a CPU with no fast kernel for its dtype
         self.linear_dtype = half_linear_dtype(dtype, self.device, self._matrix_params() * _itemsize(dtype))
         self.lm_head = self._linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
