@@ -294,10 +294,10 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
   const int64_t visits = heads * group * (kBlock / 16);
   const int64_t per_visit = (2 * ahead.lines * kBlock + visits - 1) / visits;
   // bfloat16 keys go straight into AVX512-BF16 dot products where the CPU has them (and the head
-  // size is a multiple of 32); otherwise every row is widened to float32 first.
+  // size is a multiple of 32); without them, bfloat16 rows of such a head size are read in split
+  // order (split32). Other half-precision rows are widened to float32 first.
   bool bf16_dot = false;
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kVec % 2 == 0 && kVec <= 16) bf16_dot = cpu_has_bf16_dot();
-  // Without it, bfloat16 rows of a head size that is a multiple of 32 are read in split order (split32).
   constexpr bool kSplittable = std::is_same_v<scalar_t, at::BFloat16> && kVec % 2 == 0;
   const bool split = kSplittable && !bf16_dot;
   for (int64_t h = 0; h < heads * group; ++h) {
