@@ -157,3 +157,11 @@ def test_bfloat16_is_multiplied_as_stored_only_on_a_cpu_with_bfloat16_dot_produc
     assert native_half_products(torch.bfloat16) == (dot and onednn_multiplies(torch.bfloat16))
     expected = torch.bfloat16 if native_half_products(torch.bfloat16) else torch.float32
     assert half_linear_dtype(torch.bfloat16, torch.device("cpu"), 1 << 20, available=1 << 40) == expected
+
+
+def test_a_torch_that_cannot_say_what_the_cpu_has_keeps_onednns_word(monkeypatch):
+    """An older torch may have neither probe: then bfloat16 is multiplied as stored wherever oneDNN has
+    a kernel for it, as before the probes were read."""
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert native_half_products(torch.bfloat16) == onednn_multiplies(torch.bfloat16)

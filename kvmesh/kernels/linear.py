@@ -66,7 +66,10 @@ def native_half_products(dtype: torch.dtype) -> bool:
     if not onednn_multiplies(dtype):
         return False
     if dtype == torch.bfloat16:
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+        if all(probe is None for probe in probes):  # a torch too old to say: trust oneDNN, as before
+            return True
+        return any(probe is not None and probe() for probe in probes)
     return True
 
 
