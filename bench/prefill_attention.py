@@ -13,11 +13,12 @@ bfloat16, and the kernel's GFLOP/s (the causal products Q.K and P.V).
 from __future__ import annotations
 
 import random
-import statistics
 import sys
 import time
 
 import torch
+
+import decode_attention  # bench/: its timer
 
 CASES = [[(64, 64)], [(256, 256)], [(512, 512)], [(1024, 1024)], [(1024, 512)], [(300, 300), (200, 200), (500, 500)]]
 
@@ -44,15 +45,9 @@ def case(layout, dtype: torch.dtype, heads=12, kv_heads=4, dim=64, page=16):
     return q, k, v, seqs, flops
 
 
-def timed(fn, repeats=15) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed(fn) -> float:
+    """Median wall seconds of 15 calls after 2 (the threads' work is the point here, not one core's)."""
+    return decode_attention.timed(fn, repeats=15, warmups=2, clock=time.perf_counter)
 
 
 def main() -> None:
