@@ -4,7 +4,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.kernels.linear import PackedLinear, half_linear_dtype, native_half_products, onednn_multiplies
+from kvmesh.kernels import linear as linear_module
+from kvmesh.kernels.linear import (
+    SMALL_ROWS,
+    PackedLinear,
+    half_linear_dtype,
+    native_half_products,
+    onednn_multiplies,
+    small_rows_copies,
+    small_rows_dtype,
+)
 
 SHAPES = [(1, 1), (48, 33), (256, 64), (130, 257)]  # (out_features, in_features)
 
@@ -165,3 +174,106 @@ def test_a_torch_that_cannot_say_what_the_cpu_has_keeps_onednns_word(monkeypatch
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     assert native_half_products(torch.bfloat16) == onednn_multiplies(torch.bfloat16)
+
+
+CPU = torch.device("cpu")
+
+
+def small_layer(weight, bias=None, **kwargs) -> PackedLinear:
+    """A layer with the few-rows kernel's copy, or a skip where this CPU has no such kernel for the dtype."""
+    if not small_rows_dtype(weight.dtype, CPU):
+        pytest.skip(f"no few-rows kernel for {weight.dtype} on this CPU (it needs AVX-512, and AVX512-BF16 for bfloat16)")
+    layer = PackedLinear(weight, bias, small_rows=True, **kwargs)
+    assert layer.small is not None
+    return layer
+
+
+@pytest.fixture
+def small_calls(monkeypatch):
+    """Counts the rows of each product the few-rows kernel computes."""
+    rows = []
+    op = linear_module.native.small_linear()
+    if op is not None:
+        def counted(x, *args):
+            rows.append(x.shape[0])
+            return op(x, *args)
+
+        monkeypatch.setattr(linear_module.native, "small_linear", lambda: counted)
+    return rows
+
+
+SMALL_SHAPES = [(1, 2), (48, 34), (256, 64), (130, 258), (1280, 768)]  # bfloat16 pairs inputs: even in_features
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("batch", [1, 7, 13, SMALL_ROWS, SMALL_ROWS + 1])
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_few_rows_kernel_equals_float64_linear(shape, batch, with_bias, dtype, small_calls):
+    """Up to SMALL_ROWS rows the product is the few-rows kernel's (blocks of 32 columns, the last one
+    padded, tiles of 12 rows), beyond it oneDNN's: both within the dtype's rounding of float64."""
+    weight, bias, x = make_case(*shape, batch, dtype, with_bias)
+    layer = small_layer(weight, bias)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (batch, shape[0])
+    assert small_calls == ([batch] if batch <= SMALL_ROWS else [])
+    exact = float64_linear(x, weight, bias)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=1e-5)
+    else:  # products exact, sums in float32, one rounding: the float64 result rounded, give or take a unit
+        torch.testing.assert_close(y.double(), rounded(exact, dtype), atol=1e-6, rtol=2.0**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_the_few_rows_kernel_adds_the_residual_as_onednn_does(dtype, with_bias, small_calls):
+    weight, bias, x = make_case(130, 258, 7, dtype, with_bias)
+    residual = torch.randn(7, 130, generator=torch.Generator().manual_seed(1)).to(dtype)
+    kept = residual.clone()
+    layer = small_layer(weight, bias)
+    y = layer(x, residual=residual)
+    assert small_calls == [7]
+    assert torch.equal(residual, kept)
+    exact = float64_linear(x, weight, bias) + residual.double()
+    if dtype == torch.float32:  # the same bits as adding after the product, as transformers does
+        assert torch.equal(y, layer(x) + residual)
+        torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=1e-5)
+    else:  # the sum rounded once, as oneDNN's add post-op
+        torch.testing.assert_close(y.double(), rounded(exact, dtype), atol=1e-6, rtol=2.0**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
+    """Each output is summed in one order whatever the number of rows: a sequence's logits in a
+    decode step are the same bits alone or beside 47 others."""
+    weight, bias, x = make_case(256, 64, SMALL_ROWS, dtype, with_bias=True)
+    layer = small_layer(weight, bias)
+    together = layer(x)
+    for i in (0, 11, 12, SMALL_ROWS - 1):  # first and last rows of tiles
+        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+
+
+def test_the_few_rows_kernel_takes_float32_products_of_half_precision_weights():
+    weight, bias, x = make_case(130, 258, 5, torch.bfloat16, with_bias=True)
+    if not small_rows_dtype(torch.float32, CPU):
+        pytest.skip("no few-rows kernel on this CPU (it needs AVX-512)")
+    layer = PackedLinear(weight, bias, compute_dtype=torch.float32, small_rows=True)
+    assert layer.small is not None and layer.small.dtype == torch.float32
+    torch.testing.assert_close(layer(x).double(), rounded(float64_linear(x, weight, bias), torch.bfloat16),
+                               atol=1e-6, rtol=2.0**-7)
+
+
+def test_the_few_rows_kernel_is_where_the_cpu_has_it_and_its_copy_where_memory_allows():
+    flags = cpu_flags()
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and linear_module.native.small_linear() is not None
+    assert small_rows_dtype(torch.float32, CPU) == avx512
+    if flags:
+        assert small_rows_dtype(torch.bfloat16, CPU) == (avx512 and "avx512_bf16" in flags)
+    assert not small_rows_dtype(torch.float16, CPU)
+    assert not small_rows_dtype(torch.float32, torch.device("cuda"))
+    gib = 1 << 30
+    assert small_rows_copies(torch.float32, CPU, gib, available=4 * gib) == avx512  # both copies in half of it
+    assert not small_rows_copies(torch.float32, CPU, gib, available=4 * gib - 1)
+    # without the copy a layer is as before: oneDNN's packed weight only
+    weight, _, _ = make_case(48, 34, 1, torch.float32, with_bias=False)
+    assert PackedLinear(weight).small is None

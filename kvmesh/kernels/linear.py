@@ -34,7 +34,14 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kvmesh.kernels import native
+
 log = logging.getLogger("kvmesh.kernels")
+
+# Up to this many rows a product goes to kvmesh's few-rows kernel where the layer has its copy of
+# the weight (`small_rows_dtype`): it was faster than oneDNN's at 1-32 rows and level at 48-64 (AMD
+# EPYC Zen 4, two threads, the benchmark model's twelve layers in turn), slower from 128 (6-11%).
+SMALL_ROWS = 48
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -97,20 +104,64 @@ def half_linear_dtype(dtype: torch.dtype, device: torch.device, weight_bytes: in
     return torch.float32
 
 
+def small_rows_dtype(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether kvmesh's few-rows kernel (`kernels/csrc/small_linear.cpp`) multiplies `dtype` on
+    `device`: float32 on an AVX-512 CPU, bfloat16 where it also has AVX512-BF16."""
+    if device.type != "cpu" or native.small_linear() is None:
+        return False
+    if dtype == torch.bfloat16:
+        probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        return probe is not None and probe()
+    return dtype == torch.float32
+
+
+def small_rows_copies(dtype: torch.dtype, device: torch.device, weight_bytes: int, available: int | None = None) -> bool:
+    """Whether a model's layers keep a second copy of their weights (`weight_bytes` more) for the
+    few-rows kernel: where it multiplies `dtype` (`small_rows_dtype`) and both copies fit in half of
+    the memory available (`available`, default the system's)."""
+    if not small_rows_dtype(dtype, device):
+        return False
+    import psutil
+
+    available = psutil.virtual_memory().available if available is None else available
+    if 4 * weight_bytes > available:
+        log.info("decode steps' matrix products stay in oneDNN: a second copy of the weights for the few-rows "
+                 "kernel (%d MiB) does not fit in half of the %d MiB available", weight_bytes >> 20, available >> 20)
+        return False
+    return True
+
+
+def _small_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in the few-rows kernel's layout: blocks of 32 output columns (the last padded with
+    zeros), each `[K][32]` in float32, `[K/2][32][2]` (pairs of inputs) in bfloat16."""
+    n, k = weight.shape
+    blocks = -(-n // 32)
+    w = F.pad(weight, (0, 0, 0, blocks * 32 - n))
+    if w.dtype == torch.float32:
+        return w.view(blocks, 32, k).permute(0, 2, 1).contiguous()
+    return w.view(blocks, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 class PackedLinear:
     """y = x @ weight.T + bias (+ residual), with the weight prepacked for oneDNN when that is possible.
     With `compute_dtype` (float32 for a half-precision weight, `half_linear_dtype`), the weight and
     bias are kept in that dtype, each input is converted to it, and the product is rounded back to the
-    input's dtype before the residual is added (two roundings, as transformers' `residual + proj(x)`)."""
+    input's dtype before the residual is added (two roundings, as transformers' `residual + proj(x)`).
+    With `small_rows` (`small_rows_copies`), a second copy of the weight in the few-rows kernel's
+    layout takes products of up to `SMALL_ROWS` rows (decode steps)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, small_rows: bool = False):
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = compute_dtype if compute_dtype not in (None, weight.dtype) else None
         if self.compute_dtype is not None:
             weight = weight.to(self.compute_dtype)
             bias = None if bias is None else bias.to(self.compute_dtype)
         self.bias = bias
+        self.small = None
+        if small_rows and small_rows_dtype(weight.dtype, weight.device) and (weight.dtype == torch.float32
+                                                                              or self.in_features % 2 == 0):
+            self.small = _small_pack(weight.contiguous())
         self.packed = _pack(weight) if pack else None
         # The plain weight is only needed by the fallback path.
         self.weight = weight if self.packed is None else None
@@ -123,6 +174,10 @@ class PackedLinear:
         return self._product(x, residual)
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+            if residual is not None:
+                residual = residual.contiguous()
+            return native.small_linear()(x.contiguous(), self.small, self.out_features, self.bias, residual)
         if self.packed is not None:
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")

@@ -2,7 +2,7 @@
 
 `decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator,
 `prefill_attention()` `torch.ops.kvmesh.prefill_attention_`, `write_kv()`
-`torch.ops.kvmesh.write_kv_` and `fused_ops()` the fused elementwise operators (`rms_norm`,
+`torch.ops.kvmesh.write_kv_`, `small_linear()` `torch.ops.kvmesh.small_linear` (AVX-512 only) and `fused_ops()` the fused elementwise operators (`rms_norm`,
 `rotary_`, `silu_mul`), or None when they cannot be used here (no C++ compiler,
 `KVMESH_NATIVE_KERNELS=0`); callers then take the portable path. All are in one library. The
 build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), so it
@@ -33,7 +33,8 @@ import torch
 log = logging.getLogger("kvmesh.kernels")
 
 _SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("decode_attention.cpp", "prefill_attention.cpp", "kv_write.cpp", "fused_ops.cpp")]
+            for name in ("decode_attention.cpp", "prefill_attention.cpp", "kv_write.cpp", "fused_ops.cpp",
+                         "small_linear.cpp")]
 _HEADERS = [Path(__file__).with_name("csrc") / "paged_cache.h"]
 # Each ISA's compiler flags, and the CPU_CAPABILITY torch builds the same code for: ATen's vector
 # types (used by fused_ops.cpp) take their intrinsics and Sleef functions from it.
@@ -123,6 +124,13 @@ def fused_ops():
     """The fused elementwise operators (`rms_norm`, `rotary_`, `silu_mul`) as a namespace with those
     attributes; None where the library cannot be built."""
     return torch.ops.kvmesh if _library() else None
+
+
+@cache
+def small_linear():
+    """The few-rows matrix product (`kernels.linear`), or None where the library cannot be built or is
+    not an AVX-512 build (the only one that has it)."""
+    return torch.ops.kvmesh.small_linear if _isa() == "avx512" and _library() else None
 
 
 @cache

@@ -5,7 +5,9 @@ embeddings from a float32 table, softmax attention, SiLU-gated MLP) so greedy to
 Projections are fused at load time (q|k|v and gate|up) so one step runs few, large matrix
 products; logits are computed only for the rows that are sampled. A half-precision model on a CPU
 without a fast kernel for its dtype (none in oneDNN, or bfloat16 without AVX512-BF16 or AMX)
-multiplies in float32 (`kernels.linear.half_linear_dtype`).
+multiplies in float32 (`kernels.linear.half_linear_dtype`). On an AVX-512 CPU the matrices are
+also kept in the layout of kvmesh's few-rows kernel, which takes decode steps' products
+(`kernels.linear.SMALL_ROWS`) at the memory's speed where oneDNN's read the weights more slowly.
 
 On the CPU, a layer's elementwise steps (RMSNorm, the rotary embedding, SiLU(gate) * up) are
 kvmesh's fused C++ operators (`kernels/csrc/fused_ops.cpp`), one pass each where torch runs three
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from kvmesh.kernels import native
 from kvmesh.kernels.attention import SequenceSlice, plan_attention, write_kv
-from kvmesh.kernels.linear import PackedLinear, half_linear_dtype
+from kvmesh.kernels.linear import PackedLinear, half_linear_dtype, small_rows_copies
 from kvmesh.services.worker.checkpoint import DTYPES, ModelConfig, load_config, load_weights, rope_inv_freq
 
 
@@ -99,6 +101,9 @@ class CausalLM:
         self.norm = w["model.norm.weight"]
         # the dtype of the matrix products: the model's, or float32 on a CPU with no fast kernel for its dtype
         self.linear_dtype = half_linear_dtype(dtype, self.device, self._matrix_params() * _itemsize(dtype))
+        # a second copy of the matrices for decode steps' few-rows products, where that kernel runs and they fit
+        self.small_rows = small_rows_copies(self.linear_dtype, self.device,
+                                            self._matrix_params() * _itemsize(self.linear_dtype))
         self.lm_head = self._linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         # kvmesh's fused RMSNorm, rotary and SiLU-mul on the CPU (torch's operators elsewhere);
@@ -136,16 +141,17 @@ class CausalLM:
 
     def weight_bytes(self) -> int:
         """Bytes of weights the model holds (packed CPU weights count at their dense size): the
-        matrices in the dtype they are multiplied in, the embedding table in the model's; a tied
-        LM head counts once unless it is kept in another dtype than the table."""
-        matrices = self._matrix_params() * _itemsize(self.linear_dtype)
+        matrices in the dtype they are multiplied in (twice with the few-rows kernel's copies), the
+        embedding table in the model's; a tied LM head counts once unless it is kept in another
+        dtype than the table."""
+        matrices = self._matrix_params() * _itemsize(self.linear_dtype) * (2 if self.small_rows else 1)
         embeddings = self.cfg.vocab_size * self.cfg.hidden_size * _itemsize(self.dtype)
         if self.cfg.tie_word_embeddings and self.linear_dtype == self.dtype:
             return matrices
         return matrices + embeddings
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-        return PackedLinear(weight, bias, compute_dtype=self.linear_dtype)
+        return PackedLinear(weight, bias, compute_dtype=self.linear_dtype, small_rows=self.small_rows)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."

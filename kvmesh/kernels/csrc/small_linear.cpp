@@ -1,0 +1,227 @@
+// Matrix products for few rows (decode steps): y = x @ W.T (+ bias) (+ residual), with W in a
+// layout read once, front to back, at the memory's speed.
+//
+// With few rows a product is bound by reading the weights, and oneDNN's kernels read them well
+// below the memory's rate when they are not in cache, as in a model's pass, where each layer's
+// weights were evicted by the others (AMD EPYC Zen 4, two threads, the benchmark model's twelve
+// layers in turn: bfloat16 at 15-21 GB/s for one row, 9.5 GB/s for 32; float32 15-19 GB/s for one
+// row). Here W is packed at load into blocks of 32 output columns, each block's values in the
+// order the kernel reads them (float32: `[N/32][K][32]`; bfloat16: `[N/32][K/2][32][2]`, the pairs
+// `vdpbf16ps` multiplies), so a thread streams its blocks front to back while prefetching the
+// block after next into L2, and a tile of up to 12 rows keeps 24 accumulators in registers:
+// every value of W is read once from memory per call, and again from L2 for each further tile.
+// Each output value is summed in one order (K ascending, in pairs for bfloat16) whatever the
+// number of rows. bfloat16 needs AVX512-BF16 (the caller checks); the products are exact in
+// float32, summed in float32, rounded to bfloat16 once at the end (after the bias and the
+// residual, as oneDNN's fused add does).
+//
+// Registered as torch.ops.kvmesh.small_linear (AVX-512 builds only; the caller checks).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+namespace {
+
+constexpr int64_t kCols = 32;  // output columns per block: two vectors of 16 float32 lanes
+constexpr int64_t kTile = 12;  // rows per tile: 24 accumulators, the weights' two vectors, a broadcast
+
+#if defined(__AVX512F__)
+
+// The tile's results (rows x 32 columns, `valid` of them real) plus bias and residual, stored in
+// out's dtype.
+template <typename scalar_t>
+__attribute__((always_inline)) inline void store_tile(const __m512* acc, int rows, int64_t valid, const float* bias, const scalar_t* residual,
+                       int64_t ld, scalar_t* out) {
+  const __mmask16 m0 = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  const __mmask16 m1 = valid >= 32 ? __mmask16(0xFFFF) : valid <= 16 ? __mmask16(0) : __mmask16((1u << (valid - 16)) - 1);
+  const __mmask16 mask[2] = {m0, m1};
+#pragma GCC unroll 12
+  for (int r = 0; r < rows; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      __m512 y = acc[2 * r + h];
+      if (bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask[h], bias + 16 * h));
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (residual) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask[h], residual + r * ld + 16 * h));
+        _mm512_mask_storeu_ps(out + r * ld + 16 * h, mask[h], y);
+      } else {
+        if (residual) {
+          const __m256i raw = _mm256_maskz_loadu_epi16(mask[h], residual + r * ld + 16 * h);
+          y = _mm512_add_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+        }
+        // round to nearest even, as torch's float -> bfloat16
+        const __m512i bits = _mm512_castps_si512(y);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+        const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+        const __m512i value = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));  // torch's NaN
+        _mm256_mask_storeu_epi16(out + r * ld + 16 * h, mask[h], _mm512_cvtepi32_epi16(_mm512_srli_epi32(value, 16)));
+      }
+    }
+  }
+}
+
+// The output of one tile: where it goes and what is added before the store.
+template <typename scalar_t>
+struct Epilogue {
+  int64_t valid;             // real columns of the block (the last block may be padded)
+  const float* bias;         // the block's 32 bias values, or null
+  const scalar_t* residual;  // the tile's first row of the residual, or null
+  int64_t ld;                // row stride of the residual and the output (out_features)
+  scalar_t* out;             // the tile's first row of the output
+};
+
+// R rows of x (float32, row stride K) against one float32 block (K x 32), prefetching `pf`'s block.
+// The accumulators are this function's own: passed in from outside, GCC kept them in memory.
+template <int R>
+inline void tile_f32(const float* x, int64_t K, const float* w, const char* pf, const Epilogue<float>& e) {
+  __m512 acc[2 * R];
+#pragma GCC unroll 24
+  for (int r = 0; r < 2 * R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(w + kCols * k);
+    const __m512 w1 = _mm512_loadu_ps(w + kCols * k + 16);
+    _mm_prefetch(pf + 128 * k, _MM_HINT_T1);
+    _mm_prefetch(pf + 128 * k + 64, _MM_HINT_T1);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+      acc[2 * r] = _mm512_fmadd_ps(xb, w0, acc[2 * r]);
+      acc[2 * r + 1] = _mm512_fmadd_ps(xb, w1, acc[2 * r + 1]);
+    }
+  }
+  store_tile<float>(acc, R, e.valid, e.bias, e.residual, e.ld, e.out);
+}
+
+// R rows of x (bfloat16, row stride K, K even) against one bfloat16 block (K/2 x 32 pairs).
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_bf16(const at::BFloat16* x, int64_t K,
+                                                                               const at::BFloat16* w, const char* pf,
+                                                                               const Epilogue<at::BFloat16>& e) {
+  __m512 acc[2 * R];
+#pragma GCC unroll 24
+  for (int r = 0; r < 2 * R; ++r) acc[r] = _mm512_setzero_ps();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // a pair of bfloat16 values as one 32-bit lane
+  const int64_t ld = K / 2;
+  for (int64_t p = 0; p < ld; ++p) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + 2 * kCols * p);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 2 * kCols * p + 32);
+    _mm_prefetch(pf + 128 * p, _MM_HINT_T1);
+    _mm_prefetch(pf + 128 * p + 64, _MM_HINT_T1);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[r * ld + p]);
+      acc[2 * r] = _mm512_dpbf16_ps(acc[2 * r], xb, w0);
+      acc[2 * r + 1] = _mm512_dpbf16_ps(acc[2 * r + 1], xb, w1);
+    }
+  }
+  store_tile<at::BFloat16>(acc, R, e.valid, e.bias, e.residual, e.ld, e.out);
+}
+
+template <typename scalar_t, int R>
+inline void tile(const scalar_t* x, int64_t K, const scalar_t* w, const char* pf, const Epilogue<scalar_t>& e) {
+  if constexpr (std::is_same_v<scalar_t, float>)
+    tile_f32<R>(x, K, w, pf, e);
+  else
+    tile_bf16<R>(x, K, w, pf, e);
+}
+
+template <typename scalar_t>
+void any_tile(int rows, const scalar_t* x, int64_t K, const scalar_t* w, const char* pf, const Epilogue<scalar_t>& e) {
+  switch (rows) {
+    case 1: return tile<scalar_t, 1>(x, K, w, pf, e);
+    case 2: return tile<scalar_t, 2>(x, K, w, pf, e);
+    case 3: return tile<scalar_t, 3>(x, K, w, pf, e);
+    case 4: return tile<scalar_t, 4>(x, K, w, pf, e);
+    case 5: return tile<scalar_t, 5>(x, K, w, pf, e);
+    case 6: return tile<scalar_t, 6>(x, K, w, pf, e);
+    case 7: return tile<scalar_t, 7>(x, K, w, pf, e);
+    case 8: return tile<scalar_t, 8>(x, K, w, pf, e);
+    case 9: return tile<scalar_t, 9>(x, K, w, pf, e);
+    case 10: return tile<scalar_t, 10>(x, K, w, pf, e);
+    case 11: return tile<scalar_t, 11>(x, K, w, pf, e);
+    default: return tile<scalar_t, kTile>(x, K, w, pf, e);
+  }
+}
+
+template <typename scalar_t>
+void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* bias,
+         const std::optional<at::Tensor>& residual, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  const int64_t block_elems = K * kCols;
+  const scalar_t* xs = x.data_ptr<scalar_t>();
+  const scalar_t* w = packed.data_ptr<scalar_t>();
+  const scalar_t* res = residual ? residual->data_ptr<scalar_t>() : nullptr;
+  scalar_t* o = out.data_ptr<scalar_t>();
+  // A block is K x 32 weights; below about 64K multiply-adds per thread the threads cost more
+  // than they save.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * block_elems));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const scalar_t* wb = w + b * block_elems;
+      const int64_t col = b * kCols, valid = std::min(kCols, n - col);
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int rows = static_cast<int>(std::min(kTile, M - m0));
+        // the block after next is fetched during this block's first tile (a valid address otherwise)
+        const char* pf = reinterpret_cast<const char*>(w + (m0 == 0 && b + 2 < b1 ? b + 2 : b) * block_elems);
+        const Epilogue<scalar_t> e{valid, bias ? bias + col : nullptr, res ? res + m0 * n + col : nullptr, n,
+                                   o + m0 * n + col};
+        any_tile<scalar_t>(rows, xs + m0 * K, K, wb, pf, e);
+      }
+    }
+  });
+}
+
+#endif
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& residual) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "small_linear: x must be a contiguous [rows, in_features] matrix");
+  TORCH_CHECK(packed.dim() >= 3 && packed.is_contiguous() && packed.scalar_type() == x.scalar_type(),
+              "small_linear: packed must be small_linear's layout of a weight in x's dtype");
+  const int64_t K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.numel() == blocks * K * kCols, "small_linear: packed weight is for ", packed.numel() / (blocks * kCols),
+              " in_features, x has ", K);
+  TORCH_CHECK(n > (blocks - 1) * kCols && n <= blocks * kCols, "small_linear: ", n, " out_features for ", blocks,
+              " blocks of ", kCols);
+  at::Tensor b32;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "small_linear: bias must have out_features values");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  if (residual)
+    TORCH_CHECK(residual->sizes() == at::IntArrayRef({x.size(0), n}) && residual->is_contiguous() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "small_linear: residual must be a contiguous [rows, out_features] matrix in x's dtype");
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  const float* bp = bias ? b32.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    run<float>(x, packed, n, bp, residual, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && K % 2 == 0,
+                "small_linear: float32, or bfloat16 with an even number of in_features");
+    run<at::BFloat16>(x, packed, n, bp, residual, out);
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "small_linear needs an AVX-512 build");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("small_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor? residual) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("small_linear", small_linear); }
