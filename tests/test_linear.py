@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 from kvmesh.kernels import linear as linear_module
 from kvmesh.kernels.linear import (
-    SMALL_ROWS,
     PackedLinear,
     half_linear_dtype,
     native_half_products,
@@ -207,16 +206,18 @@ SMALL_SHAPES = [(1, 2), (48, 34), (256, 64), (130, 258), (1280, 768)]  # bfloat1
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("batch", [1, 7, 13, SMALL_ROWS, SMALL_ROWS + 1])
+@pytest.mark.parametrize("batch", [1, 7, 13, 16, 17, 48, 49])
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_the_few_rows_kernel_equals_float64_linear(shape, batch, with_bias, dtype, small_calls):
-    """Up to SMALL_ROWS rows the product is the few-rows kernel's (blocks of 32 columns, the last one
-    padded, tiles of 12 rows), beyond it oneDNN's: both within the dtype's rounding of float64."""
+    """Up to the build's limit (48 rows with AVX-512, 16 with AVX2) the product is the few-rows
+    kernel's (blocks of 32 or 16 columns, the last one padded; tiles of 12 or 6 rows), beyond it
+    oneDNN's: both within the dtype's rounding of float64."""
     weight, bias, x = make_case(*shape, batch, dtype, with_bias)
     layer = small_layer(weight, bias)
     y = layer(x)
     assert y.dtype == dtype and y.shape == (batch, shape[0])
-    assert small_calls == ([batch] if batch <= SMALL_ROWS else [])
+    assert layer.small_limit in (16, 48)
+    assert small_calls == ([batch] if batch <= layer.small_limit else [])
     exact = float64_linear(x, weight, bias)
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=1e-5)
@@ -245,11 +246,12 @@ def test_the_few_rows_kernel_adds_the_residual_as_onednn_does(dtype, with_bias, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
     """Each output is summed in one order whatever the number of rows: a sequence's logits in a
-    decode step are the same bits alone or beside 47 others."""
-    weight, bias, x = make_case(256, 64, SMALL_ROWS, dtype, with_bias=True)
+    decode step are the same bits alone or beside others."""
+    weight, bias, _ = make_case(256, 64, 1, dtype, with_bias=True)
     layer = small_layer(weight, bias)
+    x = make_case(256, 64, layer.small_limit, dtype, with_bias=True)[2]
     together = layer(x)
-    for i in (0, 11, 12, SMALL_ROWS - 1):  # first and last rows of tiles
+    for i in (0, 5, 6, 11, 12, layer.small_limit - 1):  # first and last rows of tiles
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
 
 
@@ -264,15 +266,18 @@ def test_the_few_rows_kernel_takes_float32_products_of_half_precision_weights():
 
 
 def test_the_few_rows_kernel_is_where_the_cpu_has_it_and_its_copy_where_memory_allows():
+    """float32 in the AVX-512 and AVX2 builds, bfloat16 in the AVX-512 build on a CPU with AVX512-BF16."""
     flags = cpu_flags()
-    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and linear_module.native.small_linear() is not None
-    assert small_rows_dtype(torch.float32, CPU) == avx512
+    isa = linear_module.native._isa()
+    built = linear_module.native.small_linear() is not None
+    assert built == (isa in ("avx512", "avx2") and linear_module.native.fused_ops() is not None)
+    assert small_rows_dtype(torch.float32, CPU) == built
     if flags:
-        assert small_rows_dtype(torch.bfloat16, CPU) == (avx512 and "avx512_bf16" in flags)
+        assert small_rows_dtype(torch.bfloat16, CPU) == (built and isa == "avx512" and "avx512_bf16" in flags)
     assert not small_rows_dtype(torch.float16, CPU)
     assert not small_rows_dtype(torch.float32, torch.device("cuda"))
     gib = 1 << 30
-    assert small_rows_copies(torch.float32, CPU, gib, available=4 * gib) == avx512  # both copies in half of it
+    assert small_rows_copies(torch.float32, CPU, gib, available=4 * gib) == built  # both copies in half of it
     assert not small_rows_copies(torch.float32, CPU, gib, available=4 * gib - 1)
     # without the copy a layer is as before: oneDNN's packed weight only
     weight, _, _ = make_case(48, 34, 1, torch.float32, with_bias=False)

@@ -39,9 +39,11 @@ from kvmesh.kernels import native
 log = logging.getLogger("kvmesh.kernels")
 
 # Up to this many rows a product goes to kvmesh's few-rows kernel where the layer has its copy of
-# the weight (`small_rows_dtype`): it was faster than oneDNN's at 1-32 rows and level at 48-64 (AMD
-# EPYC Zen 4, two threads, the benchmark model's twelve layers in turn), slower from 128 (6-11%).
-SMALL_ROWS = 48
+# the weight (`small_rows_dtype`). The AVX-512 build was faster than oneDNN's kernels at 1-48 rows
+# and level at 64 (AMD EPYC Zen 4, two threads, the benchmark model's twelve layers in turn:
+# `bench/linear_rows.py`), slower from 128 (6-11%); the AVX2 build (tiles of 6 rows) was faster at
+# 1-16 rows and slower from 32, run on the same machine against oneDNN's AVX-512 kernels.
+SMALL_ROWS = {32: 48, 16: 16}  # by the build's block width (native.small_linear_columns())
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -106,12 +108,12 @@ def half_linear_dtype(dtype: torch.dtype, device: torch.device, weight_bytes: in
 
 def small_rows_dtype(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether kvmesh's few-rows kernel (`kernels/csrc/small_linear.cpp`) multiplies `dtype` on
-    `device`: float32 on an AVX-512 CPU, bfloat16 where it also has AVX512-BF16."""
+    `device`: float32 on an AVX-512 or AVX2 CPU, bfloat16 on an AVX-512 CPU that has AVX512-BF16."""
     if device.type != "cpu" or native.small_linear() is None:
         return False
     if dtype == torch.bfloat16:
         probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-        return probe is not None and probe()
+        return native.small_linear_columns() == 32 and probe is not None and probe()
     return dtype == torch.float32
 
 
@@ -132,14 +134,16 @@ def small_rows_copies(dtype: torch.dtype, device: torch.device, weight_bytes: in
 
 
 def _small_pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in the few-rows kernel's layout: blocks of 32 output columns (the last padded with
-    zeros), each `[K][32]` in float32, `[K/2][32][2]` (pairs of inputs) in bfloat16."""
+    """The weight in the few-rows kernel's layout: blocks of C output columns (32 in the AVX-512
+    build, 16 in the AVX2 one; the last block padded with zeros), each `[K][C]` in float32,
+    `[K/2][C][2]` (pairs of inputs) in bfloat16."""
     n, k = weight.shape
-    blocks = -(-n // 32)
-    w = F.pad(weight, (0, 0, 0, blocks * 32 - n))
+    cols = native.small_linear_columns()
+    blocks = -(-n // cols)
+    w = F.pad(weight, (0, 0, 0, blocks * cols - n))
     if w.dtype == torch.float32:
-        return w.view(blocks, 32, k).permute(0, 2, 1).contiguous()
-    return w.view(blocks, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return w.view(blocks, cols, k).permute(0, 2, 1).contiguous()
+    return w.view(blocks, cols, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 class PackedLinear:
@@ -148,7 +152,7 @@ class PackedLinear:
     bias are kept in that dtype, each input is converted to it, and the product is rounded back to the
     input's dtype before the residual is added (two roundings, as transformers' `residual + proj(x)`).
     With `small_rows` (`small_rows_copies`), a second copy of the weight in the few-rows kernel's
-    layout takes products of up to `SMALL_ROWS` rows (decode steps)."""
+    layout takes products of up to `small_limit` rows (decode steps; `SMALL_ROWS`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  compute_dtype: torch.dtype | None = None, small_rows: bool = False):
@@ -158,10 +162,11 @@ class PackedLinear:
             weight = weight.to(self.compute_dtype)
             bias = None if bias is None else bias.to(self.compute_dtype)
         self.bias = bias
-        self.small = None
+        self.small, self.small_limit = None, 0
         if small_rows and small_rows_dtype(weight.dtype, weight.device) and (weight.dtype == torch.float32
                                                                               or self.in_features % 2 == 0):
             self.small = _small_pack(weight.contiguous())
+            self.small_limit = SMALL_ROWS[native.small_linear_columns()]
         self.packed = _pack(weight) if pack else None
         # The plain weight is only needed by the fallback path.
         self.weight = weight if self.packed is None else None
@@ -174,7 +179,7 @@ class PackedLinear:
         return self._product(x, residual)
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+        if x.shape[0] <= self.small_limit and x.dim() == 2:
             if residual is not None:
                 residual = residual.contiguous()
             return native.small_linear()(x.contiguous(), self.small, self.out_features, self.bias, residual)

@@ -2,8 +2,9 @@
 
 `decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator,
 `prefill_attention()` `torch.ops.kvmesh.prefill_attention_`, `write_kv()`
-`torch.ops.kvmesh.write_kv_`, `small_linear()` `torch.ops.kvmesh.small_linear` (AVX-512 only) and `fused_ops()` the fused elementwise operators (`rms_norm`,
-`rotary_`, `silu_mul`), or None when they cannot be used here (no C++ compiler,
+`torch.ops.kvmesh.write_kv_`, `small_linear()`
+`torch.ops.kvmesh.small_linear` (AVX-512 and AVX2) and `fused_ops()` the fused elementwise
+operators (`rms_norm`, `rotary_`, `silu_mul`), or None when they cannot be used here (no C++ compiler,
 `KVMESH_NATIVE_KERNELS=0`); callers then take the portable path. All are in one library. The
 build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), so it
 costs about ten seconds once per machine and source version; `make install` runs it
@@ -128,9 +129,14 @@ def fused_ops():
 
 @cache
 def small_linear():
-    """The few-rows matrix product (`kernels.linear`), or None where the library cannot be built or is
-    not an AVX-512 build (the only one that has it)."""
-    return torch.ops.kvmesh.small_linear if _isa() == "avx512" and _library() else None
+    """The few-rows matrix product (`kernels.linear`), or None where the library cannot be built or
+    has no vector path for it (AVX-512 and AVX2 builds have)."""
+    return torch.ops.kvmesh.small_linear if _isa() in ("avx512", "avx2") and _library() else None
+
+
+def small_linear_columns() -> int:
+    """Output columns per block of the few-rows kernel's weight layout in this build."""
+    return 32 if _isa() == "avx512" else 16
 
 
 @cache

@@ -15,13 +15,13 @@
 // float32, summed in float32, rounded to bfloat16 once at the end (after the bias and the
 // residual, as oneDNN's fused add does).
 //
-// Registered as torch.ops.kvmesh.small_linear (AVX-512 builds only; the caller checks).
+// Registered as torch.ops.kvmesh.small_linear (AVX-512 and AVX2 builds; the caller checks).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -32,10 +32,19 @@
 
 namespace {
 
-constexpr int64_t kCols = 32;  // output columns per block: two vectors of 16 float32 lanes
-constexpr int64_t kTile = 12;  // rows per tile: 24 accumulators, the weights' two vectors, a broadcast
+// The output of one tile: where it goes and what is added before the store.
+template <typename scalar_t>
+struct Epilogue {
+  int64_t valid;             // real columns of the block (the last block may be padded)
+  const float* bias;         // the block's bias values, or null
+  const scalar_t* residual;  // the tile's first row of the residual, or null
+  int64_t ld;                // row stride of the residual and the output (out_features)
+  scalar_t* out;             // the tile's first row of the output
+};
 
 #if defined(__AVX512F__)
+constexpr int64_t kCols = 32;  // output columns per block: two vectors of 16 float32 lanes
+constexpr int64_t kTile = 12;  // rows per tile: 24 accumulators, the weights' two vectors, a broadcast
 
 // The tile's results (rows x 32 columns, `valid` of them real) plus bias and residual, stored in
 // out's dtype.
@@ -69,16 +78,6 @@ __attribute__((always_inline)) inline void store_tile(const __m512* acc, int row
     }
   }
 }
-
-// The output of one tile: where it goes and what is added before the store.
-template <typename scalar_t>
-struct Epilogue {
-  int64_t valid;             // real columns of the block (the last block may be padded)
-  const float* bias;         // the block's 32 bias values, or null
-  const scalar_t* residual;  // the tile's first row of the residual, or null
-  int64_t ld;                // row stride of the residual and the output (out_features)
-  scalar_t* out;             // the tile's first row of the output
-};
 
 // R rows of x (float32, row stride K) against one float32 block (K x 32), prefetching `pf`'s block.
 // The accumulators are this function's own: passed in from outside, GCC kept them in memory.
@@ -153,6 +152,61 @@ void any_tile(int rows, const scalar_t* x, int64_t K, const scalar_t* w, const c
   }
 }
 
+#elif defined(__AVX2__)
+// AVX2 and FMA (AMD Zen 1-3, Intel before Skylake-SP): 16 registers of 8 lanes, so blocks of 16
+// columns and tiles of 6 rows (12 accumulators, two weight vectors, a broadcast); float32 only (a
+// half-precision model multiplies in float32 on these CPUs: kernels/linear.py).
+constexpr int64_t kCols = 16;
+constexpr int64_t kTile = 6;
+
+__attribute__((always_inline)) inline void store_tile(const __m256* acc, int rows, const Epilogue<float>& e) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask[2] = {_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(e.valid)), lane),
+                           _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(e.valid) - 8), lane)};
+#pragma GCC unroll 6
+  for (int r = 0; r < rows; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 y = acc[2 * r + h];
+      if (e.bias) y = _mm256_add_ps(y, _mm256_maskload_ps(e.bias + 8 * h, mask[h]));
+      if (e.residual) y = _mm256_add_ps(y, _mm256_maskload_ps(e.residual + r * e.ld + 8 * h, mask[h]));
+      _mm256_maskstore_ps(e.out + r * e.ld + 8 * h, mask[h], y);
+    }
+  }
+}
+
+template <int R>
+inline void tile_f32(const float* x, int64_t K, const float* w, const char* pf, const Epilogue<float>& e) {
+  __m256 acc[2 * R];
+#pragma GCC unroll 12
+  for (int r = 0; r < 2 * R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + kCols * k);
+    const __m256 w1 = _mm256_loadu_ps(w + kCols * k + 8);
+    _mm_prefetch(pf + 64 * k, _MM_HINT_T1);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+      acc[2 * r] = _mm256_fmadd_ps(xb, w0, acc[2 * r]);
+      acc[2 * r + 1] = _mm256_fmadd_ps(xb, w1, acc[2 * r + 1]);
+    }
+  }
+  store_tile(acc, R, e);
+}
+
+template <typename scalar_t>
+void any_tile(int rows, const scalar_t* x, int64_t K, const scalar_t* w, const char* pf, const Epilogue<scalar_t>& e) {
+  switch (rows) {
+    case 1: return tile_f32<1>(x, K, w, pf, e);
+    case 2: return tile_f32<2>(x, K, w, pf, e);
+    case 3: return tile_f32<3>(x, K, w, pf, e);
+    case 4: return tile_f32<4>(x, K, w, pf, e);
+    case 5: return tile_f32<5>(x, K, w, pf, e);
+    default: return tile_f32<kTile>(x, K, w, pf, e);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
 template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* bias,
          const std::optional<at::Tensor>& residual, at::Tensor& out) {
@@ -185,7 +239,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* 
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "small_linear: x must be a contiguous [rows, in_features] matrix");
   TORCH_CHECK(packed.dim() >= 3 && packed.is_contiguous() && packed.scalar_type() == x.scalar_type(),
               "small_linear: packed must be small_linear's layout of a weight in x's dtype");
@@ -208,13 +262,17 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   if (x.scalar_type() == at::kFloat) {
     run<float>(x, packed, n, bp, residual, out);
   } else {
+#if defined(__AVX512F__)
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && K % 2 == 0,
                 "small_linear: float32, or bfloat16 with an even number of in_features");
     run<at::BFloat16>(x, packed, n, bp, residual, out);
+#else
+    TORCH_CHECK(false, "small_linear: float32 only in an AVX2 build");
+#endif
   }
   return out;
 #else
-  TORCH_CHECK(false, "small_linear needs an AVX-512 build");
+  TORCH_CHECK(false, "small_linear needs an AVX-512 or AVX2 build");
 #endif
 }
 

@@ -5,8 +5,8 @@ embeddings from a float32 table, softmax attention, SiLU-gated MLP) so greedy to
 Projections are fused at load time (q|k|v and gate|up) so one step runs few, large matrix
 products; logits are computed only for the rows that are sampled. A half-precision model on a CPU
 without a fast kernel for its dtype (none in oneDNN, or bfloat16 without AVX512-BF16 or AMX)
-multiplies in float32 (`kernels.linear.half_linear_dtype`). On an AVX-512 CPU the matrices are
-also kept in the layout of kvmesh's few-rows kernel, which takes decode steps' products
+multiplies in float32 (`kernels.linear.half_linear_dtype`). On an AVX-512 or AVX2 CPU the
+matrices are also kept in the layout of kvmesh's few-rows kernel, which takes decode steps' products
 (`kernels.linear.SMALL_ROWS`) at the memory's speed where oneDNN's read the weights more slowly.
 
 On the CPU, a layer's elementwise steps (RMSNorm, the rotary embedding, SiLU(gate) * up) are
