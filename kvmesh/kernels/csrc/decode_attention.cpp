@@ -80,12 +80,18 @@ struct Ahead {
     rows = n;
     row = line = 0;
   }
+  // `count` more lines: a row's K lines, then its V lines, then the next row's. The row's addresses
+  // are computed once per visit, not once per line (a multiply and a load of the slot each):
+  // that was a third of the AVX-512 bfloat16 path's instructions.
   inline void step(int64_t count) {
-    for (int64_t c = 0; c < count && row < rows; ++c) {
-      const char* p = line < lines ? k + slots[row] * k_row_bytes + 64 * line
-                                   : v + slots[row] * v_row_bytes + 64 * (line - lines);
-      _mm_prefetch(p, static_cast<_mm_hint>(kHint));
-      if (++line == 2 * lines) line = 0, ++row;
+    while (count > 0 && row < rows) {
+      const char* kr = k + slots[row] * k_row_bytes;
+      const char* vr = v + slots[row] * v_row_bytes;
+      const int64_t end = std::min(2 * lines, line + count);
+      count -= end - line;
+      for (; line < end && line < lines; ++line) _mm_prefetch(kr + 64 * line, static_cast<_mm_hint>(kHint));
+      for (; line < end; ++line) _mm_prefetch(vr + 64 * (line - lines), static_cast<_mm_hint>(kHint));
+      if (line == 2 * lines) line = 0, ++row;
     }
   }
 };
@@ -176,32 +182,47 @@ bool cpu_has_bf16_dot() {
   return has;
 }
 
-// One pair of tokens (t, t + 1; t + 1 == b: its partner weighs nothing) into `sum` (pv_bf16).
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void pv_pair(const at::BFloat16* vh,
-                                                                          const int64_t* block, int64_t t, int64_t b,
-                                                                          int64_t v_s0, const uint16_t* pb,
-                                                                          int64_t vecs32, __m512* sum) {
-  const uint16_t* r0 = reinterpret_cast<const uint16_t*>(vh + block[t] * v_s0);
-  const uint16_t* r1 = t + 1 < b ? reinterpret_cast<const uint16_t*>(vh + block[t + 1] * v_s0) : r0;
-  uint32_t weights;
-  std::memcpy(&weights, pb + t, sizeof weights);  // low half: token t's weight, high half: token t + 1's
-  const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights));
-  for (int64_t j = 0; j < vecs32; ++j) {
-    const __m512i x0 = _mm512_loadu_si512(r0 + 32 * j), x1 = _mm512_loadu_si512(r1 + 32 * j);
-    sum[2 * j] = _mm512_dpbf16_ps(sum[2 * j], w, (__m512bh)_mm512_unpacklo_epi16(x0, x1));
-    sum[2 * j + 1] = _mm512_dpbf16_ps(sum[2 * j + 1], w, (__m512bh)_mm512_unpackhi_epi16(x0, x1));
+// A block's bfloat16 V rows of one KV head, interleaved in pairs of tokens (t, t + 1) as
+// `vdpbf16ps` takes them: for pair i and V vector j (values 32j..32j+31), `out[2 * (i * vecs32 + j)]`
+// is unpacklo_epi16 of the two rows' vectors and the next one unpackhi. An odd block's last token is
+// paired with itself (its partner's weight is 0). Done once per KV head and block, for all the
+// query heads of its group (each head interleaved the rows itself before: 3x the shuffles).
+__attribute__((target("avx512f,avx512bw"))) void interleave_v(const at::BFloat16* vh, const int64_t* block, int64_t b,
+                                                               int64_t v_s0, int64_t vecs32, __m512i* out) {
+  for (int64_t t = 0; t < b; t += 2) {
+    const uint16_t* r0 = reinterpret_cast<const uint16_t*>(vh + block[t] * v_s0);
+    const uint16_t* r1 = t + 1 < b ? reinterpret_cast<const uint16_t*>(vh + block[t + 1] * v_s0) : r0;
+    __m512i* o = out + 2 * (t / 2) * vecs32;
+    for (int64_t j = 0; j < vecs32; ++j) {
+      const __m512i x0 = _mm512_loadu_si512(r0 + 32 * j), x1 = _mm512_loadu_si512(r1 + 32 * j);
+      _mm512_storeu_si512(o + 2 * j, _mm512_unpacklo_epi16(x0, x1));
+      _mm512_storeu_si512(o + 2 * j + 1, _mm512_unpackhi_epi16(x0, x1));
+    }
   }
 }
 
-// The weighted sum of a block's bfloat16 V rows for one query head with AVX512-BF16: tokens go in
-// pairs, the two rows interleaved (unpacklo/hi_epi16) against the pair's weights rounded to
-// bfloat16 (as transformers' bfloat16 attention rounds its probabilities), summed into float32
-// lanes by `vdpbf16ps`, so V is read as stored. The head's accumulator `acc` (D floats) is kept in
-// pair order: for V vector j (values 32j..32j+31), `acc[32j + 4L + i]` holds value 32j + 8L + i and
+// One pair of tokens (t, t + 1) of interleave_v's output into `sum` (pv_bf16).
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void pv_pair(const __m512i* pairs, int64_t t,
+                                                                          const uint16_t* pb, int64_t vecs32,
+                                                                          __m512* sum) {
+  uint32_t weights;
+  std::memcpy(&weights, pb + t, sizeof weights);  // low half: token t's weight, high half: token t + 1's
+  const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights));
+  const __m512i* q = pairs + 2 * (t / 2) * vecs32;
+  for (int64_t j = 0; j < vecs32; ++j) {
+    sum[2 * j] = _mm512_dpbf16_ps(sum[2 * j], w, (__m512bh)_mm512_loadu_si512(q + 2 * j));
+    sum[2 * j + 1] = _mm512_dpbf16_ps(sum[2 * j + 1], w, (__m512bh)_mm512_loadu_si512(q + 2 * j + 1));
+  }
+}
+
+// The weighted sum of a block's bfloat16 V rows (interleave_v's `pairs`) for one query head with
+// AVX512-BF16: each pair of tokens against the pair's weights rounded to bfloat16 (as
+// transformers' bfloat16 attention rounds its probabilities), summed into float32 lanes by
+// `vdpbf16ps`, so V is read as stored. The head's accumulator `acc` (D floats) is kept in pair
+// order: for V vector j (values 32j..32j+31), `acc[32j + 4L + i]` holds value 32j + 8L + i and
 // `acc[32j + 16 + 4L + i]` value 32j + 8L + 4 + i (L = 128-bit lane, i < 4); `natural_order` puts
 // it back. It is scaled by `alpha` first (the online softmax's rescale, lane by lane).
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void pv_bf16(const at::BFloat16* vh, const int64_t* block,
-                                                                   int64_t b, int64_t v_s0, const float* p,
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void pv_bf16(const __m512i* pairs, int64_t b, const float* p,
                                                                    float alpha, int64_t vecs32, float* acc) {
   __m512 av[16], bv[16];  // two sets, for alternate pairs: one set would wait on each dot's latency
   const __m512 a = _mm512_set1_ps(alpha);
@@ -218,10 +239,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void pv_bf16(const at::BF
   pb[b] = pb[b + 1] = 0;
   int64_t t = 0;
   for (; t + 4 <= b; t += 4) {
-    pv_pair(vh, block, t, b, v_s0, pb, vecs32, av);
-    pv_pair(vh, block, t + 2, b, v_s0, pb, vecs32, bv);
+    pv_pair(pairs, t, pb, vecs32, av);
+    pv_pair(pairs, t + 2, pb, vecs32, bv);
   }
-  for (; t < b; t += 2) pv_pair(vh, block, t, b, v_s0, pb, vecs32, av);
+  for (; t < b; t += 2) pv_pair(pairs, t, pb, vecs32, av);
   for (int64_t j = 0; j < 2 * vecs32; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_add_ps(av[j], bv[j]));
 }
 
@@ -300,6 +321,9 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kVec % 2 == 0 && kVec <= 16) bf16_dot = cpu_has_bf16_dot();
   constexpr bool kSplittable = std::is_same_v<scalar_t, at::BFloat16> && kVec % 2 == 0;
   const bool split = kSplittable && !bf16_dot;
+  // interleave_v's pairs, in vbuf (unused with the bf16 dot; twice the room they need), on a cache
+  // line boundary: 64-byte vectors across two lines cost a split load or store each
+  __m512i* vpairs = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(vbuf) + 63) & ~uintptr_t{63});
   for (int64_t h = 0; h < heads * group; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     sums[h] = 0.f;
@@ -315,6 +339,9 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
     for (int64_t kvh = 0; kvh < heads; ++kvh) {
       const scalar_t* kh = k + kvh * k_s1;
       const scalar_t* vh = v + kvh * v_s1;
+      if constexpr (kSplittable) {  // V rows interleaved in pairs once for the group's heads (vbuf is free here)
+        if (bf16_dot) interleave_v(vh, block, b, v_s0, kVec / 2, vpairs);
+      }
       if constexpr (!kWide) {  // half precision: widen the block's rows once, not once per query head
         for (int64_t t = 0; t < b && !bf16_dot && !split; ++t) {  // (with the bf16 dot or split, K and V are read as stored)
           const scalar_t* key = kh + block[t] * k_s0;
@@ -392,7 +419,7 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
         m[h] = m_new;
         if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
           if (bf16_dot) {
-            pv_bf16(vh, block, b, v_s0, sg, alpha, kVec / 2, acc + h * D);
+            pv_bf16(vpairs, b, sg, alpha, kVec / 2, acc + h * D);
             continue;
           }
         }
