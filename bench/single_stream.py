@@ -1,0 +1,49 @@
+"""Single-stream decode: one sequence's tokens per second, with and without the few-rows kernel.
+
+    cd bench && ../.venv/bin/python single_stream.py [DTYPE [ROUNDS [NEW_TOKENS]]]
+
+The engine (`LLMEngine`, no mesh) on the benchmark model, a 128-token prompt, NEW_TOKENS greedy
+tokens (default 128, EOS ignored). Each round times one generation with the layers' few-rows
+kernel (`kernels/csrc/small_linear.cpp`, as the model runs by default where the CPU has it) and
+one with every product in oneDNN (each layer's `small_limit` set to 0), alternated in one process
+so both see the same machine. Torch's default threads (every core).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def main() -> None:
+    from kvmesh.engine import EngineConfig, LLMEngine
+    from kvmesh.modelgen import bench_model_dir
+    from kvmesh.params import SamplingParams, StoppingParams
+
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    new_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 128
+    engine = LLMEngine(EngineConfig(model=str(bench_model_dir()), dtype=dtype, kv_memory_bytes=1 << 30))
+    model = engine.runner.model
+    products = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    limits = [p.small_limit for p in products]
+    if not any(limits):
+        sys.exit(f"the model keeps no few-rows copy here ({dtype}): nothing to compare")
+    prompt = list(range(1000, 1128))
+    greedy = SamplingParams(temperature=0)
+    engine.generate([prompt], greedy, StoppingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
+    rates: dict[str, list[float]] = {"few-rows": [], "oneDNN only": []}
+    for _ in range(rounds):
+        for name, on in (("few-rows", True), ("oneDNN only", False)):
+            for product, limit in zip(products, limits):
+                product.small_limit = limit if on else 0
+            started = time.perf_counter()
+            engine.generate([prompt], greedy, StoppingParams(max_new_tokens=new_tokens, ignore_eos=True))
+            rates[name].append(new_tokens / (time.perf_counter() - started))
+    print(f"{dtype}, one stream, {new_tokens} tokens after a 128-token prompt, {rounds} alternated rounds (tok/s):")
+    for name, values in rates.items():
+        print(f"  {name:<12} " + "  ".join(f"{v:6.1f}" for v in values))
+
+
+if __name__ == "__main__":
+    main()
