@@ -4,16 +4,18 @@
 // With few rows a product is bound by reading the weights, and oneDNN's kernels read them well
 // below the memory's rate when they are not in cache, as in a model's pass, where each layer's
 // weights were evicted by the others (AMD EPYC Zen 4, two threads, the benchmark model's twelve
-// layers in turn: bfloat16 at 15-21 GB/s for one row, 9.5 GB/s for 32; float32 15-19 GB/s for one
-// row). Here W is packed at load into blocks of 32 output columns, each block's values in the
+// layers in turn, bench/linear_rows.py: bfloat16 at 14-17 GB/s for one row, 5-9.5 GB/s for 32;
+// float32 15-20 GB/s for one row; this kernel 23-29 and 25-32). Here W is packed at load into
+// blocks of 32 output columns (16 in the AVX2 path below), each block's values in the
 // order the kernel reads them (float32: `[N/32][K][32]`; bfloat16: `[N/32][K/2][32][2]`, the pairs
 // `vdpbf16ps` multiplies), so a thread streams its blocks front to back while prefetching the
 // block after next into L2, and a tile of up to 12 rows keeps 24 accumulators in registers:
 // every value of W is read once from memory per call, and again from L2 for each further tile.
 // Each output value is summed in one order (K ascending, in pairs for bfloat16) whatever the
-// number of rows. bfloat16 needs AVX512-BF16 (the caller checks); the products are exact in
-// float32, summed in float32, rounded to bfloat16 once at the end (after the bias and the
-// residual, as oneDNN's fused add does).
+// number of rows. Past about 48 rows (16 with AVX2) oneDNN's blocked kernels are as fast or
+// faster (kernels/linear.py sends them the rest). bfloat16 needs AVX512-BF16 (the caller checks);
+// the products are exact in float32, summed in float32, rounded to bfloat16 once at the end (after
+// the bias and the residual, as oneDNN's fused add does).
 //
 // Registered as torch.ops.kvmesh.small_linear (AVX-512 and AVX2 builds; the caller checks).
 
