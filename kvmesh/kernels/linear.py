@@ -82,6 +82,15 @@ def native_half_products(dtype: torch.dtype) -> bool:
     return True
 
 
+def _memory_available(available: int | None) -> int:
+    """`available`, or the system's available memory when None (what the extra weight copies must fit in)."""
+    if available is not None:
+        return available
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 def half_linear_dtype(dtype: torch.dtype, device: torch.device, weight_bytes: int,
                       available: int | None = None) -> torch.dtype:
     """The dtype a model of `dtype` with `weight_bytes` of matrix weights multiplies them in on
@@ -91,10 +100,8 @@ def half_linear_dtype(dtype: torch.dtype, device: torch.device, weight_bytes: in
     otherwise."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or native_half_products(dtype):
         return dtype
-    import psutil
-
     name = str(dtype).removeprefix("torch.")
-    available = psutil.virtual_memory().available if available is None else available
+    available = _memory_available(available)
     if 2 * weight_bytes > available:
         log.warning("this CPU has no fast oneDNN kernel for %s, whose matrix products then run several times slower "
                     "than float32; multiplying in float32 would take %d MiB more than the %d MiB available can spare "
@@ -123,9 +130,7 @@ def small_rows_copies(dtype: torch.dtype, device: torch.device, weight_bytes: in
     the memory available (`available`, default the system's)."""
     if not small_rows_dtype(dtype, device):
         return False
-    import psutil
-
-    available = psutil.virtual_memory().available if available is None else available
+    available = _memory_available(available)
     if 4 * weight_bytes > available:
         log.info("decode steps' matrix products stay in oneDNN: a second copy of the weights for the few-rows "
                  "kernel (%d MiB) does not fit in half of the %d MiB available", weight_bytes >> 20, available >> 20)
