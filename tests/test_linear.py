@@ -1,5 +1,7 @@
 """PackedLinear, prepacked for oneDNN and on its F.linear fallback, against float64 F.linear."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from kvmesh.kernels.linear import (
     onednn_multiplies,
     small_rows_copies,
     small_rows_dtype,
+    small_rows_only,
 )
 
 SHAPES = [(1, 1), (48, 33), (256, 64), (130, 257)]  # (out_features, in_features)
@@ -181,7 +184,7 @@ CPU = torch.device("cpu")
 def small_layer(weight, bias=None, **kwargs) -> PackedLinear:
     """A layer with the few-rows kernel's copy, or a skip where this CPU has no such kernel for the dtype."""
     if not small_rows_dtype(weight.dtype, CPU):
-        pytest.skip(f"no few-rows kernel for {weight.dtype} on this CPU (it needs AVX-512, and AVX512-BF16 for bfloat16)")
+        pytest.skip(f"no few-rows kernel for {weight.dtype} on this CPU (it needs AVX2 or AVX-512; AVX512-BF16 for bfloat16)")
     layer = PackedLinear(weight, bias, small_rows=True, **kwargs)
     assert layer.small is not None
     return layer
@@ -204,19 +207,25 @@ def small_calls(monkeypatch):
 SMALL_SHAPES = [(1, 2), (48, 34), (256, 64), (130, 258), (1280, 768)]  # bfloat16 pairs inputs: even in_features
 
 
+def build_limit() -> int:
+    """Rows the few-rows kernel takes in this build: 48 with AVX-512 (oneDNN the rest), all with AVX2."""
+    return {32: 48, 16: sys.maxsize}[linear_module.native.small_linear_columns()]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("batch", [1, 7, 13, 16, 17, 48, 49])
+@pytest.mark.parametrize("batch", [1, 7, 13, 16, 17, 48, 49, 300])
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_the_few_rows_kernel_equals_float64_linear(shape, batch, with_bias, dtype, small_calls):
-    """Up to the build's limit (48 rows with AVX-512, 16 with AVX2) the product is the few-rows
-    kernel's (blocks of 32 or 16 columns, the last one padded; tiles of 12 or 6 rows), beyond it
-    oneDNN's: both within the dtype's rounding of float64."""
+    """Up to the build's limit (48 rows with AVX-512, every product with AVX2) the product is the
+    few-rows kernel's (blocks of 32 or 16 columns, the last one padded; tiles of 12 or 6 rows; rows
+    split among the threads too where there are few blocks), beyond it oneDNN's: both within the
+    dtype's rounding of float64."""
     weight, bias, x = make_case(*shape, batch, dtype, with_bias)
     layer = small_layer(weight, bias)
     y = layer(x)
     assert y.dtype == dtype and y.shape == (batch, shape[0])
-    assert layer.small_limit in (16, 48)
+    assert layer.small_limit == build_limit()
     assert small_calls == ([batch] if batch <= layer.small_limit else [])
     exact = float64_linear(x, weight, bias)
     if dtype == torch.float32:
@@ -243,22 +252,32 @@ def test_the_few_rows_kernel_adds_the_residual_as_onednn_does(dtype, with_bias, 
         torch.testing.assert_close(y.double(), rounded(exact, dtype), atol=1e-6, rtol=2.0**-7)
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("shape", [(256, 64), (48, 34)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
-    """Each output is summed in one order whatever the number of rows: a sequence's logits in a
-    decode step are the same bits alone or beside others."""
-    weight, bias, _ = make_case(256, 64, 1, dtype, with_bias=True)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, shape, threads):
+    """Each output is summed in one order whatever the number of rows and threads: a sequence's
+    logits in a decode step are the same bits alone or beside others (48x34 has fewer blocks than
+    threads can share, so many rows are split among the threads by rows as well)."""
+    weight, bias, _ = make_case(*shape, 1, dtype, with_bias=True)
     layer = small_layer(weight, bias)
-    x = make_case(256, 64, layer.small_limit, dtype, with_bias=True)[2]
-    together = layer(x)
-    for i in (0, 5, 6, 11, 12, layer.small_limit - 1):  # first and last rows of tiles
-        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+    rows = min(layer.small_limit, 200)
+    x = make_case(*shape, rows, dtype, with_bias=True)[2]
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = layer(x)
+        for i in (0, 5, 6, 11, 12, 47, 48, 97, rows - 1):  # first and last rows of tiles and chunks
+            if i < rows:
+                assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+    finally:
+        torch.set_num_threads(kept)
 
 
 def test_the_few_rows_kernel_takes_float32_products_of_half_precision_weights():
     weight, bias, x = make_case(130, 258, 5, torch.bfloat16, with_bias=True)
     if not small_rows_dtype(torch.float32, CPU):
-        pytest.skip("no few-rows kernel on this CPU (it needs AVX-512)")
+        pytest.skip("no few-rows kernel on this CPU (it needs AVX2 or AVX-512)")
     layer = PackedLinear(weight, bias, compute_dtype=torch.float32, small_rows=True)
     assert layer.small is not None and layer.small.dtype == torch.float32
     torch.testing.assert_close(layer(x).double(), rounded(float64_linear(x, weight, bias), torch.bfloat16),
@@ -276,9 +295,41 @@ def test_the_few_rows_kernel_is_where_the_cpu_has_it_and_its_copy_where_memory_a
         assert small_rows_dtype(torch.bfloat16, CPU) == (built and isa == "avx512" and "avx512_bf16" in flags)
     assert not small_rows_dtype(torch.float16, CPU)
     assert not small_rows_dtype(torch.float32, torch.device("cuda"))
+    assert small_rows_only() == (built and linear_module.native.small_linear_columns() == 16)  # the AVX2 build
     gib = 1 << 30
-    assert small_rows_copies(torch.float32, CPU, gib, available=4 * gib) == built  # both copies in half of it
-    assert not small_rows_copies(torch.float32, CPU, gib, available=4 * gib - 1)
+    # a second copy beside oneDNN's where both fit in half of the memory; the only copy needs no room
+    assert small_rows_copies(torch.float32, CPU, gib, available=4 * gib) == built
+    assert small_rows_copies(torch.float32, CPU, gib, available=4 * gib - 1) == small_rows_only()
     # without the copy a layer is as before: oneDNN's packed weight only
     weight, _, _ = make_case(48, 34, 1, torch.float32, with_bias=False)
     assert PackedLinear(weight).small is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_where_the_kernel_takes_every_product_a_layer_holds_no_other_copy(dtype):
+    """With AVX2 the kernel's layout is the layer's only weight (no oneDNN copy, no plain one), and
+    it also takes inputs with more than two dimensions; `add_onednn_copy` (for benchmarks) gives
+    oneDNN the same weight back."""
+    weight, bias, x = make_case(130, 258, 64, dtype, with_bias=True)
+    layer = small_layer(weight, bias)
+    if not small_rows_only():
+        assert layer.packed is not None or layer.weight is not None
+        pytest.skip("this build's few-rows kernel takes decode steps only, beside oneDNN's copy")
+    assert layer.packed is None and layer.weight is None
+    three = x.view(4, 16, 258)
+    torch.testing.assert_close(layer(three), layer(x).view(4, 16, 130), atol=0, rtol=0)
+    residual = torch.randn(4, 16, 130, generator=torch.Generator().manual_seed(2)).to(dtype)
+    torch.testing.assert_close(layer(three, residual=residual), layer(x, residual=residual.view(64, 130)).view(4, 16, 130),
+                               atol=0, rtol=0)
+    layer.add_onednn_copy()
+    layer.small_limit = 0
+    assert layer.packed is not None or torch.equal(layer.weight, weight)
+    torch.testing.assert_close(layer(x).double(), float64_linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_layout_gives_the_weight_back(dtype):
+    if linear_module.native.small_linear() is None:
+        pytest.skip("no few-rows kernel on this CPU (it needs AVX2 or AVX-512)")
+    weight = make_case(130, 258, 1, dtype, with_bias=False)[0]
+    assert torch.equal(linear_module._small_unpack(linear_module._small_pack(weight), 130), weight)

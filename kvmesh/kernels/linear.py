@@ -30,6 +30,7 @@ in bfloat16, one stream: 44-47 -> 33 tok/s), every batch gains (the engine issue
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +42,12 @@ log = logging.getLogger("kvmesh.kernels")
 # Up to this many rows a product goes to kvmesh's few-rows kernel where the layer has its copy of
 # the weight (`small_rows_dtype`). The AVX-512 build was faster than oneDNN's kernels at 1-48 rows
 # and level at 64 (AMD EPYC Zen 4, two threads, the benchmark model's twelve layers in turn:
-# `bench/linear_rows.py`), slower from 128 (6-11%); the AVX2 build (tiles of 6 rows) was faster at
-# 1-16 rows and slower from 32, run on the same machine against oneDNN's AVX-512 kernels.
-SMALL_ROWS = {32: 48, 16: 16}  # by the build's block width (native.small_linear_columns())
+# `bench/linear_rows.py`), slower from 128 (6-11%), so oneDNN keeps its own copy for the rest. The
+# AVX2 build (tiles of 6 rows) was faster than oneDNN's AVX2 kernels at every row count on an
+# AVX2-only CPU (AMD EPYC Zen 3, same script, float32: one row 22.4 -> 23.6 GB/s, 32 rows 109 -> 135
+# GFLOP/s, 1,024 rows 147 -> 174), so there it takes every product (None) and its layout replaces
+# oneDNN's: one copy of the weights.
+SMALL_ROWS = {32: 48, 16: None}  # by the build's block width (native.small_linear_columns())
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -124,12 +128,21 @@ def small_rows_dtype(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
+def small_rows_only() -> bool:
+    """Whether the few-rows kernel takes every product of a layer that has its layout (this CPU's
+    build: `SMALL_ROWS`), which then replaces oneDNN's copy of the weights instead of adding one."""
+    return native.small_linear() is not None and SMALL_ROWS[native.small_linear_columns()] is None
+
+
 def small_rows_copies(dtype: torch.dtype, device: torch.device, weight_bytes: int, available: int | None = None) -> bool:
-    """Whether a model's layers keep a second copy of their weights (`weight_bytes` more) for the
-    few-rows kernel: where it multiplies `dtype` (`small_rows_dtype`) and both copies fit in half of
-    the memory available (`available`, default the system's)."""
+    """Whether a model's layers keep their weights (`weight_bytes`) in the few-rows kernel's layout:
+    where it multiplies `dtype` (`small_rows_dtype`), and, where that layout is a second copy beside
+    oneDNN's (`small_rows_only` false), when both copies fit in half of the memory available
+    (`available`, default the system's)."""
     if not small_rows_dtype(dtype, device):
         return False
+    if small_rows_only():
+        return True
     available = _memory_available(available)
     if 4 * weight_bytes > available:
         log.info("decode steps' matrix products stay in oneDNN: a second copy of the weights for the few-rows "
@@ -151,13 +164,22 @@ def _small_pack(weight: torch.Tensor) -> torch.Tensor:
     return w.view(blocks, cols, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def _small_unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The `[n, K]` weight back from `_small_pack`'s layout."""
+    if packed.dim() == 3:  # float32 [blocks][K][C]
+        return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+    blocks, half, cols, _ = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(blocks * cols, 2 * half)[:n]
+
+
 class PackedLinear:
     """y = x @ weight.T + bias (+ residual), with the weight prepacked for oneDNN when that is possible.
     With `compute_dtype` (float32 for a half-precision weight, `half_linear_dtype`), the weight and
     bias are kept in that dtype, each input is converted to it, and the product is rounded back to the
     input's dtype before the residual is added (two roundings, as transformers' `residual + proj(x)`).
-    With `small_rows` (`small_rows_copies`), a second copy of the weight in the few-rows kernel's
-    layout takes products of up to `small_limit` rows (decode steps; `SMALL_ROWS`)."""
+    With `small_rows` (`small_rows_copies`), the weight in the few-rows kernel's layout takes products
+    of up to `small_limit` rows (decode steps; `SMALL_ROWS`), beside oneDNN's copy, or every product
+    with no other copy where that build is the faster at every row count (`small_rows_only`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  compute_dtype: torch.dtype | None = None, small_rows: bool = False):
@@ -171,10 +193,21 @@ class PackedLinear:
         if small_rows and small_rows_dtype(weight.dtype, weight.device) and (weight.dtype == torch.float32
                                                                               or self.in_features % 2 == 0):
             self.small = _small_pack(weight.contiguous())
-            self.small_limit = SMALL_ROWS[native.small_linear_columns()]
-        self.packed = _pack(weight) if pack else None
-        # The plain weight is only needed by the fallback path.
-        self.weight = weight if self.packed is None else None
+            limit = SMALL_ROWS[native.small_linear_columns()]
+            self.small_limit = sys.maxsize if limit is None else limit
+        self.packed = self.weight = None
+        if self.small_limit < sys.maxsize:
+            self.packed = _pack(weight) if pack else None
+            # The plain weight is only needed by the fallback path.
+            self.weight = weight if self.packed is None else None
+
+    def add_onednn_copy(self) -> None:
+        """Gives a layer whose few-rows layout takes every product oneDNN's copy too, so that
+        lowering `small_limit` sends products to oneDNN (benchmarks compare the two)."""
+        if self.packed is None and self.weight is None:
+            weight = _small_unpack(self.small, self.out_features).contiguous()
+            self.packed = _pack(weight)
+            self.weight = weight if self.packed is None else None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`residual`, when given, is added to the product (in the same oneDNN call where packed)."""
@@ -184,10 +217,14 @@ class PackedLinear:
         return self._product(x, residual)
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= self.small_limit and x.dim() == 2:
+        if x.dim() == 2 and x.shape[0] <= self.small_limit:
             if residual is not None:
                 residual = residual.contiguous()
             return native.small_linear()(x.contiguous(), self.small, self.out_features, self.bias, residual)
+        if x.dim() != 2 and self.packed is None and self.weight is None:  # the few-rows layout is all there is
+            rows = x.reshape(-1, self.in_features)
+            flat = None if residual is None else residual.reshape(-1, self.out_features)
+            return self._product(rows, flat).view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")

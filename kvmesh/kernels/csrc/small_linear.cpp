@@ -12,8 +12,9 @@
 // block after next into L2, and a tile of up to 12 rows keeps 24 accumulators in registers:
 // every value of W is read once from memory per call, and again from L2 for each further tile.
 // Each output value is summed in one order (K ascending, in pairs for bfloat16) whatever the
-// number of rows. Past about 48 rows (16 with AVX2) oneDNN's blocked kernels are as fast or
-// faster (kernels/linear.py sends them the rest). bfloat16 needs AVX512-BF16 (the caller checks);
+// number of rows. Past about 48 rows oneDNN's AVX-512 kernels are as fast or faster
+// (kernels/linear.py sends them the rest); oneDNN's AVX2 kernels were slower than the AVX2 build
+// at every row count, so on those CPUs this kernel takes every product (kernels/linear.py). bfloat16 needs AVX512-BF16 (the caller checks);
 // the products are exact in float32, summed in float32, rounded to bfloat16 once at the end (after
 // the bias and the residual, as oneDNN's fused add does).
 //
@@ -218,17 +219,29 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* 
   const scalar_t* w = packed.data_ptr<scalar_t>();
   const scalar_t* res = residual ? residual->data_ptr<scalar_t>() : nullptr;
   scalar_t* o = out.data_ptr<scalar_t>();
-  // A block is K x 32 weights; below about 64K multiply-adds per thread the threads cost more
-  // than they save.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * block_elems));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
+  if (M == 0) return;
+  // Work items are (block, chunk of rows): one chunk per block while there are enough blocks to
+  // share among the threads, rows split too where there are not (few output columns, many rows).
+  // Each output value is still summed by one tile in one order, whatever the split.
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = 1;
+  if (blocks < 4 * threads && M > 8 * kTile)
+    chunks = std::min((M + 4 * kTile - 1) / (4 * kTile), (4 * threads + blocks - 1) / blocks);
+  const int64_t chunk_rows = ((M + chunks - 1) / chunks + kTile - 1) / kTile * kTile;
+  chunks = (M + chunk_rows - 1) / chunk_rows;
+  // below about 64K multiply-adds per thread the threads cost more than they save
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, chunk_rows * block_elems));
+  at::parallel_for(0, blocks * chunks, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / chunks, m_begin = (i % chunks) * chunk_rows, m_end = std::min(M, m_begin + chunk_rows);
       const scalar_t* wb = w + b * block_elems;
       const int64_t col = b * kCols, valid = std::min(kCols, n - col);
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-        const int rows = static_cast<int>(std::min(kTile, M - m0));
-        // the block after next is fetched during this block's first tile (a valid address otherwise)
-        const char* pf = reinterpret_cast<const char*>(w + (m0 == 0 && b + 2 < b1 ? b + 2 : b) * block_elems);
+      // the block after next (when this thread computes it) is fetched during the block's first tile
+      const bool first = m_begin == 0 || i == i0;
+      const int64_t ahead = first && (b + 2) * chunks < i1 ? b + 2 : b;
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kTile) {
+        const int rows = static_cast<int>(std::min(kTile, m_end - m0));
+        const char* pf = reinterpret_cast<const char*>(w + (m0 == m_begin ? ahead : b) * block_elems);
         const Epilogue<scalar_t> e{valid, bias ? bias + col : nullptr, res ? res + m0 * n + col : nullptr, n,
                                    o + m0 * n + col};
         any_tile<scalar_t>(rows, xs + m0 * K, K, wb, pf, e);

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from kvmesh.kernels import native
 from kvmesh.kernels.attention import SequenceSlice, plan_attention, write_kv
-from kvmesh.kernels.linear import PackedLinear, half_linear_dtype, small_rows_copies
+from kvmesh.kernels.linear import PackedLinear, half_linear_dtype, small_rows_copies, small_rows_only
 from kvmesh.services.worker.checkpoint import DTYPES, ModelConfig, load_config, load_weights, rope_inv_freq
 
 
@@ -101,7 +101,8 @@ class CausalLM:
         self.norm = w["model.norm.weight"]
         # the dtype of the matrix products: the model's, or float32 on a CPU with no fast kernel for its dtype
         self.linear_dtype = half_linear_dtype(dtype, self.device, self._matrix_params() * _itemsize(dtype))
-        # a second copy of the matrices for decode steps' few-rows products, where that kernel runs and they fit
+        # the matrices in the few-rows kernel's layout where it runs: a second copy for decode steps
+        # where it fits (AVX-512), the only one where that kernel takes every product (AVX2)
         self.small_rows = small_rows_copies(self.linear_dtype, self.device,
                                             self._matrix_params() * _itemsize(self.linear_dtype))
         self.lm_head = self._linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
@@ -141,10 +142,11 @@ class CausalLM:
 
     def weight_bytes(self) -> int:
         """Bytes of weights the model holds (packed CPU weights count at their dense size): the
-        matrices in the dtype they are multiplied in (twice with the few-rows kernel's copies), the
+        matrices in the dtype they are multiplied in (twice with the few-rows kernel's second copy), the
         embedding table in the model's; a tied LM head counts once unless it is kept in another
         dtype than the table."""
-        matrices = self._matrix_params() * _itemsize(self.linear_dtype) * (2 if self.small_rows else 1)
+        copies = 2 if self.small_rows and not small_rows_only() else 1
+        matrices = self._matrix_params() * _itemsize(self.linear_dtype) * copies
         embeddings = self.cfg.vocab_size * self.cfg.hidden_size * _itemsize(self.dtype)
         if self.cfg.tie_word_embeddings and self.linear_dtype == self.dtype:
             return matrices
