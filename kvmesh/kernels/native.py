@@ -36,7 +36,7 @@ log = logging.getLogger("kvmesh.kernels")
 _SOURCES = [Path(__file__).with_name("csrc") / name
             for name in ("decode_attention.cpp", "prefill_attention.cpp", "kv_write.cpp", "fused_ops.cpp",
                          "small_linear.cpp")]
-_HEADERS = [Path(__file__).with_name("csrc") / "paged_cache.h"]
+_HEADERS = [Path(__file__).with_name("csrc") / name for name in ("paged_cache.h", "claims.h")]
 # Each ISA's compiler flags, and the CPU_CAPABILITY torch builds the same code for: ATen's vector
 # types (used by fused_ops.cpp) take their intrinsics and Sleef functions from it.
 _ISA_FLAGS = {

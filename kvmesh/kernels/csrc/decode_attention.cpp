@@ -33,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "claims.h"
 #include "paged_cache.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -708,13 +709,23 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t heads_per_item = whole_rows ? kv_heads : 1;
   const int64_t work_items = num_seqs * (kv_heads / heads_per_item);
   const int64_t grain = key_elements < kParallelMinElements ? std::max<int64_t>(work_items, 1) : 1;
-  at::parallel_for(0, work_items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(kv_heads * group * head_dim), acc(kv_heads * group * head_dim), sums(kv_heads * group),
-        maxes(kv_heads * group), scores;
+  // Sequences differ in length, and a thread may be taken off its core: items go out in claims.
+  struct Scratch {
+    std::vector<float> qf, acc, sums, maxes, scores;
     std::vector<float> kbuf, vbuf;  // a block of K and V rows widened to float32 (half precision only)
+  };
+  auto scratch = [&] {
+    Scratch st;
+    st.qf.resize(kv_heads * group * head_dim), st.acc.resize(kv_heads * group * head_dim);
+    st.sums.resize(kv_heads * group), st.maxes.resize(kv_heads * group);
 #if defined(__AVX512F__) || defined(__AVX2__)
-    if constexpr (!std::is_same_v<scalar_t, float>) kbuf.resize(kBlock * head_dim), vbuf.resize(kBlock * head_dim);
+    if constexpr (!std::is_same_v<scalar_t, float>) st.kbuf.resize(kBlock * head_dim), st.vbuf.resize(kBlock * head_dim);
 #endif
+    return st;
+  };
+  kvmesh::parallel_claims(work_items, grain, scratch, [&](Scratch& st, int64_t begin, int64_t end) {
+    auto &qf = st.qf, &acc = st.acc, &sums = st.sums, &maxes = st.maxes, &scores = st.scores;
+    auto &kbuf = st.kbuf, &vbuf = st.vbuf;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t items_per_seq = kv_heads / heads_per_item;
       const int64_t s = work / items_per_seq, kv0 = (work % items_per_seq) * heads_per_item;

@@ -24,12 +24,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "claims.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -211,32 +212,6 @@ void any_tile(int rows, const scalar_t* x, int64_t K, const scalar_t* w, const c
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-// Hands out work items [0, total) in claims that shrink as the work runs out (guided), so a thread
-// that the OS takes off its core mid-product (the mesh's other processes share the cores) holds
-// back at most its current claim while the others take the rest; with a fixed split the whole of
-// its share would wait for it, and the others would spin at the end.
-class Claims {
- public:
-  Claims(int64_t total, int64_t threads, int64_t least) : total_(total), threads_(std::max<int64_t>(1, threads)), least_(least) {}
-
-  bool next(int64_t& begin, int64_t& end) {
-    int64_t at = next_.load(std::memory_order_relaxed);
-    for (;;) {
-      if (at >= total_) return false;
-      const int64_t size = std::max(least_, (total_ - at) / (2 * threads_));
-      if (next_.compare_exchange_weak(at, at + size, std::memory_order_relaxed)) {
-        begin = at;
-        end = std::min(total_, at + size);
-        return true;
-      }
-    }
-  }
-
- private:
-  const int64_t total_, threads_, least_;
-  std::atomic<int64_t> next_{0};
-};
-
 template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* bias,
          const std::optional<at::Tensor>& residual, at::Tensor& out) {
@@ -260,25 +235,21 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* 
   const int64_t items = blocks * chunks;
   const int64_t grain =
       std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, std::min(chunk_rows, M) * block_elems));
-  const int64_t team = std::min<int64_t>(at::get_num_threads(), (items + grain - 1) / grain);
-  Claims claims(items, team, grain);
-  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
-    int64_t i0, i1;
-    while (claims.next(i0, i1)) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / chunks, m_begin = (i % chunks) * chunk_rows, m_end = std::min(M, m_begin + chunk_rows);
-        const scalar_t* wb = w + b * block_elems;
-        const int64_t col = b * kCols, valid = std::min(kCols, n - col);
-        // the block after next (when this claim holds it) is fetched during the block's first tile
-        const bool first = m_begin == 0 || i == i0;
-        const int64_t ahead = first && (b + 2) * chunks < i1 ? b + 2 : b;
-        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTile) {
-          const int rows = static_cast<int>(std::min(kTile, m_end - m0));
-          const char* pf = reinterpret_cast<const char*>(w + (m0 == m_begin ? ahead : b) * block_elems);
-          const Epilogue<scalar_t> e{valid, bias ? bias + col : nullptr, res ? res + m0 * n + col : nullptr, n,
-                                     o + m0 * n + col};
-          any_tile<scalar_t>(rows, xs + m0 * K, K, wb, pf, e);
-        }
+  struct NoScratch {};
+  kvmesh::parallel_claims(items, grain, [] { return NoScratch{}; }, [&](NoScratch, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / chunks, m_begin = (i % chunks) * chunk_rows, m_end = std::min(M, m_begin + chunk_rows);
+      const scalar_t* wb = w + b * block_elems;
+      const int64_t col = b * kCols, valid = std::min(kCols, n - col);
+      // the block after next (when this claim holds it) is fetched during the block's first tile
+      const bool first = m_begin == 0 || i == i0;
+      const int64_t ahead = first && (b + 2) * chunks < i1 ? b + 2 : b;
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kTile) {
+        const int rows = static_cast<int>(std::min(kTile, m_end - m0));
+        const char* pf = reinterpret_cast<const char*>(w + (m0 == m_begin ? ahead : b) * block_elems);
+        const Epilogue<scalar_t> e{valid, bias ? bias + col : nullptr, res ? res + m0 * n + col : nullptr, n,
+                                   o + m0 * n + col};
+        any_tile<scalar_t>(rows, xs + m0 * K, K, wb, pf, e);
       }
     }
   });
