@@ -2,11 +2,11 @@
 
 The engine issue's served workload: `vllm bench serve --backend openai`, 128 random requests
 (inputs 264 tokens +-90%, outputs 136 +-90%: about 26..502 and 14..258, EOS ignored), sent all
-at once and at 4 requests/s, on the same checkpoint (bench-125m unless --model) in float32, with
-4 GiB of KV each and every core. Each server is started once, warmed with 32 requests (which
-also writes the KV pages the passes reuse: vLLM zeroes its cache at start, kvmesh's is mapped
-lazily), then runs every pass at every rate; then the other server. Prints output tok/s, TTFT
-and TPOT (p50) per pass and the medians.
+at once and at 4 requests/s, on the same checkpoint (bench-125m unless --model) in float32 (or
+`--dtype bfloat16`), with 4 GiB of KV each and every core. Each server is started once, warmed
+with 32 requests (which also writes the KV pages the passes reuse: vLLM zeroes its cache at start,
+kvmesh's is mapped lazily), then runs every pass at every rate; then the other server. Prints
+output tok/s, TTFT and TPOT (p50) per pass and the medians.
 
     cd bench && ../.venv/bin/python vs_vllm_serve.py --vllm-python /work/vllm-venv/bin/python
 
@@ -73,15 +73,16 @@ def wait_ready(http_port: int, proc: subprocess.Popen, timeout_s: float = 600) -
     raise RuntimeError(f"the server on port {http_port} was not ready in {timeout_s:.0f} s")
 
 
-def start(system: str, model: str, http_port: int, vllm_python: str, log, kvmesh_args: list[str]) -> subprocess.Popen:
+def start(system: str, model: str, http_port: int, vllm_python: str, log, kvmesh_args: list[str],
+          dtype: str = "float32") -> subprocess.Popen:
     cores = os.cpu_count() or 1
     if system == "kvmesh":
         command = [str(ROOT / ".venv" / "bin" / "kvmesh"), "up", "--model", model, "--http-port", str(http_port),
-                   "--served-model-name", "bench", "--dtype", "float32", "--kv-memory-mib", "4096", *kvmesh_args]
+                   "--served-model-name", "bench", "--dtype", dtype, "--kv-memory-mib", "4096", *kvmesh_args]
         env = dict(os.environ)
     else:
         command = [vllm_python, "-c", VLLM_CLI, "serve", model, "--port", str(http_port), "--served-model-name",
-                   "bench", "--dtype", "float32", "--max-model-len", "2048"]
+                   "bench", "--dtype", dtype, "--max-model-len", "2048"]
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_KVCACHE_SPACE="4",
                    VLLM_TARGET_DEVICE="cpu")  # its platform check reads the version of a distribution named vllm
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -152,6 +153,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--systems", default="kvmesh,vllm")
     ap.add_argument("--http-port", type=int, default=18080)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both servers' model dtype")
     ap.add_argument("--kvmesh-args", default="", help="more `kvmesh up` arguments, space-separated")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -162,7 +164,7 @@ def main() -> None:
     results: dict[tuple[str, str], list[dict]] = {}
     for system in args.systems.split(","):
         with open(Path(tempfile.gettempdir()) / f"vs_vllm_serve_{system}.log", "w") as log:
-            proc = start(system, model, args.http_port, args.vllm_python, log, args.kvmesh_args.split())
+            proc = start(system, model, args.http_port, args.vllm_python, log, args.kvmesh_args.split(), args.dtype)
             try:
                 wait_ready(args.http_port, proc)
                 bench_pass(args.vllm_python, model, args.http_port, "inf", 32, seed=1000)  # warm-up
