@@ -14,9 +14,10 @@
 // Each output value is summed in one order (K ascending, in pairs for bfloat16) whatever the
 // number of rows. Past about 48 rows oneDNN's AVX-512 kernels are as fast or faster
 // (kernels/linear.py sends them the rest); oneDNN's AVX2 kernels were slower than the AVX2 build
-// at every row count, so on those CPUs this kernel takes every product (kernels/linear.py). bfloat16 needs AVX512-BF16 (the caller checks);
-// the products are exact in float32, summed in float32, rounded to bfloat16 once at the end (after
-// the bias and the residual, as oneDNN's fused add does).
+// at every row count, so on those CPUs this kernel takes every product (kernels/linear.py).
+// bfloat16 needs AVX512-BF16 (the caller checks); the products are exact in float32, summed in
+// float32, rounded to bfloat16 once at the end (after the bias and the residual, as oneDNN's
+// fused add does).
 //
 // Registered as torch.ops.kvmesh.small_linear (AVX-512 and AVX2 builds; the caller checks).
 
