@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 
 import grpc
@@ -371,6 +372,11 @@ def test_a_router_stopped_for_a_rolling_update_takes_no_new_calls_and_lets_those
             async for _ in stub.Generate(probe, timeout=RECOVER_S):
                 pass
         except grpc.aio.AioRpcError as e:
+            # A call that reached the server just as it began to shut down, before grpc handed it to
+            # a handler, ends CANCELLED (gRPC core: grpc/grpc#41785); probe again: calls made after
+            # the shutdown began must be UNAVAILABLE, which clients retry elsewhere.
+            if e.code() == grpc.StatusCode.CANCELLED:
+                return False
             assert e.code() == grpc.StatusCode.UNAVAILABLE, e
             return True
         return False
@@ -421,12 +427,20 @@ def test_a_router_stopped_for_a_rolling_update_takes_no_new_calls_and_lets_those
             exited = await asyncio.to_thread(router.process.wait, RECOVER_S)
             return read, exited, time.monotonic() - signalled
 
-    read, exited, stopped_s = asyncio.run(run())
+    try:
+        read, exited, stopped_s = asyncio.run(run())
+    finally:  # the module's other tests need a router, whatever happened here
+        if router.process.poll() is None:  # its streams went with run()'s channel, so its drain ends
+            try:
+                router.process.wait(RECOVER_S)
+            except subprocess.TimeoutExpired:  # never signalled, or stuck: the next test needs the port
+                router.process.kill()
+                router.process.wait()
+        router.start()
+        wait_serving(router)
     assert read["grpc"] > 0 and read["http"] > 0, read  # both streams went on after new calls were refused
     assert exited == 0
     assert stopped_s < 30, stopped_s  # it ended when its last call did, not at the end of --drain-s
-    router.start()
-    wait_serving(router)
 
 
 def test_a_whole_mesh_stopped_at_once_with_streams_open_stops_without_being_killed(long_model_dir):
