@@ -212,6 +212,12 @@ def build_limit() -> int:
     return {32: 48, 16: sys.maxsize}[linear_module.native.small_linear_columns()]
 
 
+def default_limit(dtype) -> int:
+    """Rows a layer gives the kernel by default: the build's, but one for bfloat16 where the CPU has
+    AMX (oneDNN multiplies bfloat16 on its tiles, faster from two rows)."""
+    return 1 if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags() else build_limit()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("batch", [1, 7, 13, 16, 17, 48, 49, 300])
@@ -220,12 +226,14 @@ def test_the_few_rows_kernel_equals_float64_linear(shape, batch, with_bias, dtyp
     """Up to the build's limit (48 rows with AVX-512, every product with AVX2) the product is the
     few-rows kernel's (blocks of 32 or 16 columns, the last one padded; tiles of 12 or 6 rows; rows
     split among the threads too where there are few blocks), beyond it oneDNN's: both within the
-    dtype's rounding of float64."""
+    dtype's rounding of float64. (Where a layer's default limit is lower, bfloat16 on an AMX CPU,
+    the kernel is held to the build's limit here: other CPUs run it at those rows.)"""
     weight, bias, x = make_case(*shape, batch, dtype, with_bias)
     layer = small_layer(weight, bias)
+    assert layer.small_limit == default_limit(dtype)
+    layer.small_limit = build_limit()
     y = layer(x)
     assert y.dtype == dtype and y.shape == (batch, shape[0])
-    assert layer.small_limit == build_limit()
     assert small_calls == ([batch] if batch <= layer.small_limit else [])
     exact = float64_linear(x, weight, bias)
     if dtype == torch.float32:
@@ -241,6 +249,7 @@ def test_the_few_rows_kernel_adds_the_residual_as_onednn_does(dtype, with_bias, 
     residual = torch.randn(7, 130, generator=torch.Generator().manual_seed(1)).to(dtype)
     kept = residual.clone()
     layer = small_layer(weight, bias)
+    layer.small_limit = build_limit()
     y = layer(x, residual=residual)
     assert small_calls == [7]
     assert torch.equal(residual, kept)
@@ -261,7 +270,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, shape, threa
     threads can share, so many rows are split among the threads by rows as well)."""
     weight, bias, _ = make_case(*shape, 1, dtype, with_bias=True)
     layer = small_layer(weight, bias)
-    rows = min(layer.small_limit, 200)
+    layer.small_limit = rows = min(build_limit(), 200)
     x = make_case(*shape, rows, dtype, with_bias=True)[2]
     kept = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -272,6 +281,20 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, shape, threa
                 assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
     finally:
         torch.set_num_threads(kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_gives_the_kernel_the_rows_it_is_faster_at(dtype, small_calls):
+    """Decode-sized products go to the few-rows kernel, up to the build's limit, except bfloat16 on an
+    AMX CPU: there only single rows do, and two rows already go to oneDNN's tile kernels."""
+    weight, bias, _ = make_case(130, 258, 1, dtype, with_bias=True)
+    layer = small_layer(weight, bias)
+    limit = default_limit(dtype)
+    for rows in sorted({1, 2, 7, 48, 49, 300}):
+        layer(make_case(130, 258, rows, dtype, with_bias=True)[2])
+    assert small_calls == [r for r in (1, 2, 7, 48, 49, 300) if r <= limit]
+    if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
+        assert small_calls == [1]
 
 
 def test_the_few_rows_kernel_takes_float32_products_of_half_precision_weights():

@@ -48,6 +48,11 @@ log = logging.getLogger("kvmesh.kernels")
 # GFLOP/s, 1,024 rows 147 -> 174), so there it takes every product (None) and its layout replaces
 # oneDNN's: one copy of the weights.
 SMALL_ROWS = {32: 48, 16: None}  # by the build's block width (native.small_linear_columns())
+# Except bfloat16 on a CPU with AMX, whose tile units oneDNN multiplies bfloat16 on: there oneDNN
+# was level with the kernel at 2 rows, 1.1x faster at 3-4, 3.3x at 32 and 7.7x at 1,024 (Intel Xeon
+# with AMX-BF16, two threads, same script); the kernel still reads one row's weights faster (34 GB/s
+# against 24-27), so it keeps single-sequence decode steps.
+AMX_BF16_ROWS = 1
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -128,6 +133,20 @@ def small_rows_dtype(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
+def small_rows_limit(dtype: torch.dtype) -> int:
+    """Rows up to which the few-rows kernel takes a product of `dtype` from a layer that has its
+    layout (`SMALL_ROWS`, `AMX_BF16_ROWS`); sys.maxsize where it takes every product."""
+    if dtype == torch.bfloat16 and _amx_tiles():
+        return AMX_BF16_ROWS
+    limit = SMALL_ROWS[native.small_linear_columns()]
+    return sys.maxsize if limit is None else limit
+
+
+def _amx_tiles() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return probe is not None and probe()
+
+
 def small_rows_only() -> bool:
     """Whether the few-rows kernel takes every product of a layer that has its layout (this CPU's
     build: `SMALL_ROWS`), which then replaces oneDNN's copy of the weights instead of adding one."""
@@ -178,7 +197,7 @@ class PackedLinear:
     bias are kept in that dtype, each input is converted to it, and the product is rounded back to the
     input's dtype before the residual is added (two roundings, as transformers' `residual + proj(x)`).
     With `small_rows` (`small_rows_copies`), the weight in the few-rows kernel's layout takes products
-    of up to `small_limit` rows (decode steps; `SMALL_ROWS`), beside oneDNN's copy, or every product
+    of up to `small_limit` rows (decode steps; `small_rows_limit`), beside oneDNN's copy, or every product
     with no other copy where that build is the faster at every row count (`small_rows_only`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
@@ -193,8 +212,7 @@ class PackedLinear:
         if small_rows and small_rows_dtype(weight.dtype, weight.device) and (weight.dtype == torch.float32
                                                                               or self.in_features % 2 == 0):
             self.small = _small_pack(weight.contiguous())
-            limit = SMALL_ROWS[native.small_linear_columns()]
-            self.small_limit = sys.maxsize if limit is None else limit
+            self.small_limit = small_rows_limit(weight.dtype)
         self.packed = self.weight = None
         if self.small_limit < sys.maxsize:
             self.packed = _pack(weight) if pack else None

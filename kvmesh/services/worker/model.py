@@ -7,7 +7,7 @@ products; logits are computed only for the rows that are sampled. A half-precisi
 without a fast kernel for its dtype (none in oneDNN, or bfloat16 without AVX512-BF16 or AMX)
 multiplies in float32 (`kernels.linear.half_linear_dtype`). On an AVX-512 or AVX2 CPU the
 matrices are also kept in the layout of kvmesh's few-rows kernel, which takes decode steps' products
-(`kernels.linear.SMALL_ROWS`) at the memory's speed where oneDNN's read the weights more slowly.
+(`kernels.linear.small_rows_limit`) at the memory's speed where oneDNN's read the weights more slowly.
 
 On the CPU, a layer's elementwise steps (RMSNorm, the rotary embedding, SiLU(gate) * up) are
 kvmesh's fused C++ operators (`kernels/csrc/fused_ops.cpp`), one pass each where torch runs three
