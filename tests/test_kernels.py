@@ -1,5 +1,6 @@
 """Paged attention against dense causal attention, and the fast path against the reference."""
 
+import math
 import os
 import shutil
 import time
@@ -402,3 +403,31 @@ def test_fused_operators_refuse_what_they_cannot_compute():
         ops.rms_norm(torch.ones(3, 8, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(RuntimeError, match="last dimension must be contiguous"):
         ops.silu_mul(torch.ones(8, 4).t())
+
+
+@pytest.mark.parametrize("rows", FUSED_ROWS)
+@pytest.mark.parametrize("vocab", [1, 17, 172, 32000])
+def test_greedy_pick_is_torchs_argmax_and_log_softmax(rows, vocab):
+    """The sampler's greedy pick: torch.argmax's ids (the first of equal maxima too) and, as the
+    pick's logprob, its logit minus the logsumexp: log_softmax's value to a few units of float32."""
+    ops = _fused()
+    g = torch.Generator().manual_seed(rows * 7 + vocab)
+    logits = torch.randn(rows, vocab, generator=g) * 8
+    logits[:, vocab // 2] = logits[:, -1] = logits.max(dim=1).values + 1  # a tie: the first one wins
+    ids, lse = ops.greedy_pick(logits)
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    picked = logits.gather(1, ids[:, None])[:, 0] - lse
+    want = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None])[:, 0]
+    torch.testing.assert_close(picked, want, atol=4e-6, rtol=0)
+    assert lse.dtype == torch.float32 and ids.dtype == torch.long and ids.shape == (rows,)
+
+
+def test_greedy_pick_gives_a_row_with_a_nan_a_nan_logsumexp():
+    ops = _fused()
+    logits = torch.zeros(3, 100)
+    logits[1, 40] = float("nan")
+    logits[2, 7] = float("inf")
+    _, lse = ops.greedy_pick(logits)
+    assert lse[0] == pytest.approx(math.log(100)) and lse[1].isnan() and not lse[2].isfinite()
+    with pytest.raises(RuntimeError, match="greedy_pick: logits must be float32"):
+        ops.greedy_pick(torch.zeros(2, 4, dtype=torch.bfloat16))

@@ -318,11 +318,10 @@ class ModelRunner:
             self.store.chain(state.hashes, state.token_ids, state.page_ids, state.num_computed_tokens)
         if logits.device.type != "cpu" and (prompt_states or not _drawn_on_device(sampled)):
             logits = logits.cpu()  # the sampler's penalties, biases, grammars and draws run on the host
-        raw = torch.log_softmax(logits, dim=-1)
         if prompt_states:
-            self._collect_prompt_logprobs(raw[len(sampled):], prompt_states)
-        logits, raw = logits[: len(sampled)], raw[: len(sampled)]
-        ids, logprobs, failures = sample(logits, [s.sampling_row for s in sampled], raw) if sampled else ([], [], {})
+            self._collect_prompt_logprobs(torch.log_softmax(logits[len(sampled):], dim=-1), prompt_states)
+        logits = logits[: len(sampled)]
+        ids, logprobs, failures = sample(logits, [s.sampling_row for s in sampled]) if sampled else ([], [], {})
         out = []
         for i, (state, token_id, logprob) in enumerate(zip(sampled, ids, logprobs)):
             if i in failures:
@@ -334,7 +333,7 @@ class ModelRunner:
                 del self.seqs[state.seq_id]
                 continue
             state.token_ids.append(token_id)
-            out.append(self._sampled_token(state, token_id, logprob, raw[i]))
+            out.append(self._sampled_token(state, token_id, logprob, logits[i]))
         return self._result(out, time.perf_counter() - started, failed)
 
     def _result(self, tokens: list[SampledToken], forward_s: float, failed: dict[str, str]) -> StepResult:
@@ -343,11 +342,14 @@ class ModelRunner:
                           tier_evicted=tier_evicted)
 
     @staticmethod
-    def _sampled_token(state: SequenceState, token_id: int, logprob: float, raw: torch.Tensor) -> SampledToken:
-        """The token as sent: with its alternatives and the prompt's logprobs when the sequence asked."""
+    def _sampled_token(state: SequenceState, token_id: int, logprob: float, logits: torch.Tensor) -> SampledToken:
+        """The token as sent: with its alternatives and the prompt's logprobs when the sequence asked
+        (its logprob then read from the same log_softmax as theirs, so it equals its own entry)."""
         k, prompt = state.sampling_row.params.logprobs, state.prompt_logprobs
         if not k and prompt is None:
             return SampledToken(state.seq_id, token_id, logprob)
         state.prompt_logprobs = None  # sent once, with the first token
+        raw = torch.log_softmax(logits, dim=-1)
+        logprob = raw[token_id].item()
         ids, values = top_logprobs(raw.unsqueeze(0), k)
         return SampledToken(state.seq_id, token_id, logprob, tuple(ids[0]), tuple(values[0]), prompt)

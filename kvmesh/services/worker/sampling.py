@@ -25,6 +25,7 @@ import torch
 
 from kvmesh import grammar
 from kvmesh.grammar import GrammarState
+from kvmesh.kernels import native
 from kvmesh.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -135,23 +136,32 @@ def _top_p_among_likeliest(logits: torch.Tensor, rows: list[int], top_p: list[fl
     return set(cut)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           logprobs: torch.Tensor | None = None) -> tuple[list[int], list[float], dict[int, str]]:
-    """logits: `[len(rows), vocab]` float32; `logprobs` their log_softmax when the caller has it.
-    Returns the chosen ids, their raw logprobs, and the rows that could not be sampled
-    (row index -> why); a failed row's id and logprob mean nothing."""
-    if logprobs is None:
-        logprobs = torch.log_softmax(logits, dim=-1)
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax and logsumexp: kvmesh's one-operator pick on the CPU
+    (`kernels/csrc/fused_ops.cpp`; torch's argmax and log_softmax took four times as long), torch's
+    operators elsewhere."""
+    fused = native.fused_ops() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if fused is not None and logits.shape[1] > 0:
+        return fused.greedy_pick(logits.contiguous())
+    return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float], dict[int, str]]:
+    """logits: `[len(rows), vocab]` float32. Returns the chosen ids, their raw logprobs (logit minus
+    the row's logsumexp), and the rows that could not be sampled (row index -> why); a failed row's
+    id and logprob mean nothing."""
+    raw = logits
+    argmax, logsumexp = greedy_pick(raw)
     failures: dict[int, str] = {}
     if any(r.grammar is not None for r in rows):
         # The grammar's mask is -inf on every token it forbids, so no logit_bias or penalty added
         # after it makes one of them drawable again.
         logits = _constrained(logits, rows, failures)
-    if all(r.params.greedy and not r.processed for r in rows):
-        chosen = logits.argmax(dim=-1)
+    if all(r.params.greedy and not r.processed and r.grammar is None for r in rows):
+        chosen = argmax
     else:
         chosen = _choose(logits, rows, failures)
-    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    picked = (raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - logsumexp).tolist()
     for i, logprob in enumerate(picked):
         # Finite logits give every token a finite raw logprob: a NaN or inf here means the row's
         # logits are not finite (its forward pass overflowed), and its token, greedy or not, is noise.
