@@ -181,13 +181,23 @@ def test_prefill_kernel_equals_reference(dim, heads, kv_heads):
     torch.testing.assert_close(plan(q, kc, vc, dim**-0.5), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim,heads,kv_heads", [(64, 12, 4), (128, 8, 2), (32, 4, 4)])
-def test_prefill_kernel_in_half_precision_equals_the_reference_on_the_same_inputs(dtype, dim, heads, kv_heads):
+def test_prefill_kernel_in_half_precision_equals_the_reference_on_the_same_inputs(dtype, dim, heads, kv_heads, amx,
+                                                                                  monkeypatch):
+    """Both paths whatever this CPU is: the kernel, and, for bfloat16 where the CPU has AMX, torch's
+    SDPA per sequence (faster there)."""
+    monkeypatch.setattr(native, "amx_tiles", lambda: amx)
+    calls = []
+    op = native.prefill_attention()
+    if op is not None:
+        monkeypatch.setattr(native, "prefill_attention", lambda: lambda *a: calls.append(1) or op(*a))
     q, kc, vc, seqs, _ = build_case(PREFILLS, heads=heads, kv_heads=kv_heads, dim=dim, num_pages=96, seed=5)
     q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
     ref = paged_attention_reference(q.double(), kc.double(), vc.double(), seqs, scale=dim**-0.5)
     out = AttentionPlan(seqs)(q, kc, vc, dim**-0.5)
+    assert calls == ([] if op is None or (amx and dtype == torch.bfloat16) else [1])
     assert out.dtype == dtype
     # float32 arithmetic on the half-precision values (with AVX512-BF16, P.V rounds the weights to
     # bfloat16 first, as transformers does), the result rounded once more.

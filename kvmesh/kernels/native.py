@@ -4,7 +4,7 @@
 `prefill_attention()` `torch.ops.kvmesh.prefill_attention_`, `write_kv()`
 `torch.ops.kvmesh.write_kv_`, `small_linear()`
 `torch.ops.kvmesh.small_linear` (AVX-512 and AVX2) and `fused_ops()` the fused elementwise
-operators (`rms_norm`, `rotary_`, `silu_mul`), or None when they cannot be used here (no C++ compiler,
+operators (`rms_norm`, `rotary_`, `silu_mul`) and the sampler's `greedy_pick`, or None when they cannot be used here (no C++ compiler,
 `KVMESH_NATIVE_KERNELS=0`); callers then take the portable path. All are in one library. The
 build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), so it
 costs about ten seconds once per machine and source version; `make install` runs it
@@ -66,6 +66,14 @@ def _clear_stale_lock(build_dir: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
+@cache
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tile units that torch's oneDNN multiplies bfloat16 on (there its
+    products beat kvmesh's AVX-512 kernels from a few rows: `kernels.linear`, `kernels.attention`)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return probe is not None and probe()
+
+
 def _isa() -> str:
     capability = torch.backends.cpu.get_cpu_capability().lower()  # "avx512", "avx2", "default", ...
     return capability if capability in _ISA_FLAGS else "base"
@@ -122,8 +130,8 @@ def prefill_attention():
 
 @cache
 def fused_ops():
-    """The fused elementwise operators (`rms_norm`, `rotary_`, `silu_mul`) as a namespace with those
-    attributes; None where the library cannot be built."""
+    """The fused elementwise operators (`rms_norm`, `rotary_`, `silu_mul`) and `greedy_pick` as a
+    namespace with those attributes; None where the library cannot be built."""
     return torch.ops.kvmesh if _library() else None
 
 
