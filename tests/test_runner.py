@@ -2,13 +2,14 @@
 reason, and every other sequence of the step gets the token transformers would give it."""
 
 import random
+import sys
 
 import pytest
 import torch
 
 from kvmesh.params import SamplingParams
 from kvmesh.services.worker.model import CausalLM
-from kvmesh.services.worker.runner import ModelRunner
+from kvmesh.services.worker.runner import KVPool, ModelRunner
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan
 from reference import assert_matches_reference, hf_greedy
 
@@ -143,3 +144,25 @@ def test_the_engine_ends_a_sequence_that_failed_alone_with_an_error_and_returns_
     assert ok.finish_reason is FinishReason.LENGTH
     assert assert_matches_reference(ok.output_token_ids, ok.output_logprobs, reference) >= 4
     assert engine.page_stats().used == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) << 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_populating_the_pool_backs_it_with_memory_and_leaves_its_contents(hf_checkpoint):
+    """The served worker backs its CPU pool with memory in the background while steps write it:
+    afterwards the pool is resident and what was written before, and between chunks, is unchanged."""
+    model = CausalLM.load(hf_checkpoint("llama"))
+    pool = KVPool(model, KVPool.pages_for_budget(model, 64 << 20, 16), 16)
+    pool.k[0, 5] = 1.25  # written before: lowest pages, the first chunk
+    pool.v[-1, -1] = -3.5  # the last layer's last slot: the buffer's last page
+    pool.k[1, 16 * 40 + 3] = 7.0  # a page between the chunks of 32 pages below
+    before = _rss_bytes()
+    if not pool.populate(pages_per_chunk=32):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    assert _rss_bytes() - before > 0.9 * pool.nbytes  # the pool (less the pages written above) is resident now
+    assert pool.k[0, 5].eq(1.25).all() and pool.v[-1, -1].eq(-3.5).all() and pool.k[1, 16 * 40 + 3].eq(7.0).all()
+    assert int(pool.k.ne(0).sum()) == pool.k[0, 5].numel() * 2 and int(pool.v.ne(0).sum()) == pool.v[-1, -1].numel()

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -343,7 +344,23 @@ def load_runner(cfg: WorkerConfig) -> ModelRunner:
              plan.describe(), num_pages, cfg.page_size)
     log.info("start-up: weights %.1fs, KV pool %.1fs, warm-up %.1fs", loaded - started, allocated - loaded,
              time.monotonic() - allocated)
+    if dev.type == "cpu":
+        threading.Thread(target=populate_pool, args=(runner.pool,), name="kv-populate", daemon=True).start()
     return runner
+
+
+def populate_pool(pool: KVPool) -> None:
+    """Backs the CPU KV pool with memory behind the worker's back (`KVPool.populate`), on a thread of
+    the lowest priority, so that serving neither waits for it at start nor pays for it in steps."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only, on Linux
+    except (OSError, AttributeError):
+        pass
+    started = time.monotonic()
+    if pool.populate():
+        log.info("KV pool backed with memory in %.1fs", time.monotonic() - started)
+    else:
+        log.info("KV pool left to be mapped as it is written (no MADV_POPULATE_WRITE here)")
 
 
 PROFILE_SEQS = 256  # the sampled rows of the profiled step: each one's logits are a vocabulary of float32
