@@ -441,3 +441,46 @@ def test_greedy_pick_gives_a_row_with_a_nan_a_nan_logsumexp():
     assert lse[0] == pytest.approx(math.log(100)) and lse[1].isnan() and not lse[2].isfinite()
     with pytest.raises(RuntimeError, match="greedy_pick: logits must be float32"):
         ops.greedy_pick(torch.zeros(2, 4, dtype=torch.bfloat16))
+
+
+def _draw_by_torch(scaled, uniforms):
+    """The sampler's walk in torch's operators (its path without the C++ library)."""
+    cdf = scaled.double().softmax(dim=-1).cumsum(dim=-1)
+    total = cdf[:, -1]
+    target = torch.minimum(uniforms.double() * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 172, 32000])
+def test_draw_takes_the_token_whose_cumulative_probability_passes_the_uniform(vocab):
+    """The sampler's draw: for each row and uniform u, the first token (in vocabulary order) whose
+    cumulative probability passes u, as softmax, cumsum and searchsorted find it; tokens removed
+    by top-k or top-p (-inf) are never drawn, and u = 0 and u just below 1 give the first and last
+    tokens that can be drawn."""
+    ops = _fused()
+    g = torch.Generator().manual_seed(vocab)
+    rows = 300
+    scaled = torch.randn(rows, vocab, generator=g) * 3
+    removed = torch.rand(rows, vocab, generator=g) < 0.5
+    removed[:, 0] = False  # at least one token left in each row
+    scaled[removed] = float("-inf")
+    uniforms = torch.rand(rows, generator=g)
+    uniforms[:3] = torch.tensor([0.0, 1 - 2**-24, 0.5])
+    ids, totals = ops.draw(scaled, uniforms)
+    assert ids.dtype == torch.long and totals.dtype == torch.float64
+    assert torch.equal(ids, _draw_by_torch(scaled, uniforms))
+    assert not removed.gather(1, ids[:, None]).any()
+    allowed = (~removed[0]).nonzero().flatten()
+    assert ids[0] == allowed[0] and ids[1] == (~removed[1]).nonzero().flatten()[-1]
+    assert torch.isfinite(totals).all() and (totals >= 1).all()  # the largest term is exp(0)
+
+
+def test_draw_reports_rows_whose_probabilities_are_not_finite():
+    ops = _fused()
+    scaled = torch.zeros(3, 40)
+    scaled[1, 7] = float("nan")
+    scaled[2] = float("-inf")
+    _, totals = ops.draw(scaled, torch.full((3,), 0.5))
+    assert totals[0] == 40 and totals[1].isnan() and not totals[2].isfinite()
+    with pytest.raises(RuntimeError, match="draw: uniforms must be a contiguous float32 vector of one number per row"):
+        ops.draw(scaled, torch.zeros(2))

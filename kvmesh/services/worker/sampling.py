@@ -210,11 +210,15 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, 
     Also returns the rows whose probabilities are not finite (their tokens mean nothing)."""
     temperatures = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)[:, None]
     scaled = _filter_rows(logits / temperatures, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
+    uniforms = torch.tensor([uniform(r.params.seed or 0, len(r.output_ids)) for r in rows], dtype=scaled.dtype)
+    fused = native.fused_ops() if scaled.device.type == "cpu" and scaled.dtype == torch.float32 else None
+    if fused is not None and scaled.shape[1] > 0:  # the same walk in one C++ operator (fused_ops.cpp)
+        ids, totals = fused.draw(scaled.contiguous(), uniforms)
+        return ids, (~(torch.isfinite(totals) & (totals > 0))).nonzero().flatten().tolist()
     cdf = scaled.softmax(dim=-1).cumsum_(dim=-1)
     total = cdf[:, -1]
     # A row with a NaN or inf probability has a total that is not finite (probabilities are at most 1).
     not_finite = (~torch.isfinite(total)).nonzero().flatten().tolist()
-    uniforms = torch.tensor([uniform(r.params.seed or 0, len(r.output_ids)) for r in rows], dtype=cdf.dtype)
     # Below the total, always: the token found then has a probability above zero.
     target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
     ids = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
