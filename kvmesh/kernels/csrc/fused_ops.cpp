@@ -213,6 +213,26 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// One row of float32 logits, a vector at a time with -inf past its end, so a max or a sum of
+// exponentials over whole vectors is the row's.
+struct LogitRow {
+  const float* p;
+  int64_t n;
+  fVec chunk(int64_t j) const {
+    const fVec lowest(-std::numeric_limits<float>::infinity());
+    return n - j >= kWidth ? fVec::loadu(p + j) : fVec::set(lowest, fVec::loadu(p + j, n - j), n - j);
+  }
+  float max() const {
+    fVec m(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; j += kWidth) m = at::vec::maximum(m, chunk(j));
+    return at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return at::vec::maximum(a, b); }, m);
+  }
+};
+
+inline float lanes_sum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return a + b; }, v);
+}
+
 // A greedy pick over float32 logits `[rows, vocab]`: each row's argmax (the first of equal maxima,
 // as torch.argmax) and logsumexp (max + log(sum(exp(x - max))), the sum in torch's log_softmax's
 // terms), so the pick's logprob is its logit minus the logsumexp without writing a log_softmax of
@@ -224,29 +244,23 @@ void greedy_rows(const at::Tensor& logits, at::Tensor& ids, at::Tensor& lse) {
   const float* xp = logits.data_ptr<float>();
   int64_t* idp = ids.data_ptr<int64_t>();
   float* lp = lse.data_ptr<float>();
-  const fVec lowest(-std::numeric_limits<float>::infinity());
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * xs;
-      auto chunk = [&](int64_t j) {  // values j..j+kWidth-1, -inf past the row's end
-        return n - j >= kWidth ? fVec::loadu(row + j) : fVec::set(lowest, fVec::loadu(row + j, n - j), n - j);
-      };
-      fVec vmax = lowest;
-      for (int64_t j = 0; j < n; j += kWidth) vmax = at::vec::maximum(vmax, chunk(j));
-      const float best = at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return at::vec::maximum(a, b); }, vmax);
+      const LogitRow row{xp + r * xs, n};
+      const float best = row.max();
       int64_t id = 0;
       const fVec vbest(best);
       for (int64_t j = 0; j < n; j += kWidth) {
-        const int unequal = (chunk(j) == vbest).zero_mask();  // bit i set: lane i differs from the max
+        const int unequal = (row.chunk(j) == vbest).zero_mask();  // bit i set: lane i differs from the max
         if (unequal != (1 << kWidth) - 1) {
           id = j + __builtin_ctz(~unequal);
           break;
         }
       }
       fVec sum(0.0f);
-      for (int64_t j = 0; j < n; j += kWidth) sum = sum + (chunk(j) - vbest).exp();
+      for (int64_t j = 0; j < n; j += kWidth) sum = sum + (row.chunk(j) - vbest).exp();
       idp[r] = id;
-      lp[r] = best + std::log(at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return a + b; }, sum));
+      lp[r] = best + std::log(lanes_sum(sum));
     }
   });
 }
@@ -275,19 +289,12 @@ void draw_rows(const at::Tensor& scaled, const at::Tensor& uniforms, at::Tensor&
   const float* up = uniforms.data_ptr<float>();
   int64_t* idp = ids.data_ptr<int64_t>();
   double* tp = totals.data_ptr<double>();
-  const fVec lowest(-std::numeric_limits<float>::infinity());
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * xs;
-      auto chunk = [&](int64_t j) {  // values j..j+kWidth-1, -inf past the row's end
-        return n - j >= kWidth ? fVec::loadu(row + j) : fVec::set(lowest, fVec::loadu(row + j, n - j), n - j);
-      };
-      auto sum = [](fVec v) { return at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return a + b; }, v); };
-      fVec vmax = lowest;
-      for (int64_t j = 0; j < n; j += kWidth) vmax = at::vec::maximum(vmax, chunk(j));
-      const fVec best(at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return at::vec::maximum(a, b); }, vmax));
+      const LogitRow row{xp + r * xs, n};
+      const fVec best(row.max());
       double total = 0.0;
-      for (int64_t j = 0; j < n; j += kWidth) total += sum((chunk(j) - best).exp());
+      for (int64_t j = 0; j < n; j += kWidth) total += lanes_sum((row.chunk(j) - best).exp());
       tp[r] = total;
       int64_t id = n - 1;
       if (std::isfinite(total) && total > 0.0) {
@@ -295,8 +302,8 @@ void draw_rows(const at::Tensor& scaled, const at::Tensor& uniforms, at::Tensor&
         const double target = std::min(static_cast<double>(up[r]) * total, std::nextafter(total, 0.0));
         double acc = 0.0;
         for (int64_t j = 0; j < n; j += kWidth) {
-          const fVec e = (chunk(j) - best).exp();
-          const double next = acc + sum(e);
+          const fVec e = (row.chunk(j) - best).exp();
+          const double next = acc + lanes_sum(e);
           if (next <= target) {
             acc = next;
             continue;
