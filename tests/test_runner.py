@@ -161,8 +161,25 @@ def test_populating_the_pool_backs_it_with_memory_and_leaves_its_contents(hf_che
     pool.v[-1, -1] = -3.5  # the last layer's last slot: the buffer's last page
     pool.k[1, 16 * 40 + 3] = 7.0  # a page between the chunks of 32 pages below
     before = _rss_bytes()
-    if not pool.populate(pages_per_chunk=32):
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    why = pool.populate(pages_per_chunk=32)
+    if why is not None and "MADV_POPULATE_WRITE" in why:
+        pytest.skip(why)
+    assert why is None
     assert _rss_bytes() - before > 0.9 * pool.nbytes  # the pool (less the pages written above) is resident now
     assert pool.k[0, 5].eq(1.25).all() and pool.v[-1, -1].eq(-3.5).all() and pool.k[1, 16 * 40 + 3].eq(7.0).all()
     assert int(pool.k.ne(0).sum()) == pool.k[0, 5].numel() * 2 and int(pool.v.ne(0).sum()) == pool.v[-1, -1].numel()
+
+
+def test_a_pool_larger_than_the_free_memory_is_left_to_be_mapped_as_written(hf_checkpoint, monkeypatch):
+    """A pool set larger than the machine can hold is not taken at start: populating stops before
+    the available memory falls under an eighth of the total, and says so."""
+    import psutil
+
+    model = CausalLM.load(hf_checkpoint("llama"))
+    pool = KVPool(model, KVPool.pages_for_budget(model, 64 << 20, 16), 16)
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=real.total // 8))
+    before = _rss_bytes()
+    why = pool.populate(pages_per_chunk=32)
+    assert why is not None and why.startswith("stopped at 0 MiB of 64:") and "available memory" in why
+    assert _rss_bytes() - before < pool.nbytes // 4

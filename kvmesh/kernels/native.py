@@ -4,10 +4,11 @@
 `prefill_attention()` `torch.ops.kvmesh.prefill_attention_`, `write_kv()`
 `torch.ops.kvmesh.write_kv_`, `small_linear()`
 `torch.ops.kvmesh.small_linear` (AVX-512 and AVX2) and `fused_ops()` the fused elementwise
-operators (`rms_norm`, `rotary_`, `silu_mul`) and the sampler's `greedy_pick`, or None when they cannot be used here (no C++ compiler,
-`KVMESH_NATIVE_KERNELS=0`); callers then take the portable path. All are in one library. The
-build is cached by torch (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), so it
-costs about ten seconds once per machine and source version; `make install` runs it
+operators (`rms_norm`, `rotary_`, `silu_mul`) and the sampler's (`greedy_pick`, `draw`), or None
+when they cannot be used here (no C++ compiler, `KVMESH_NATIVE_KERNELS=0`); callers then take
+the portable path. All are in one library. The build is cached by torch (`TORCH_EXTENSIONS_DIR`,
+by default `~/.cache/torch_extensions`), so it costs about ten seconds once per machine and
+source version; `make install` runs it
 (`python -m kvmesh.kernels.native`). The build folder is named by a hash of the sources and
 flags, and a process that finds the library already built loads it directly: torch's builder
 would otherwise take its file lock and run ninja at every process start, and rebuild whenever two
@@ -130,8 +131,9 @@ def prefill_attention():
 
 @cache
 def fused_ops():
-    """The fused elementwise operators (`rms_norm`, `rotary_`, `silu_mul`) and `greedy_pick` as a
-    namespace with those attributes; None where the library cannot be built."""
+    """The fused elementwise operators (`rms_norm`, `rotary_`, `silu_mul`) and the sampler's
+    (`greedy_pick`, `draw`) as a namespace with those attributes; None where the library cannot be
+    built."""
     return torch.ops.kvmesh if _library() else None
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -80,23 +81,31 @@ class KVPool:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def populate(self, pages_per_chunk: int = 1024) -> bool:
+    def populate(self, pages_per_chunk: int = 1024) -> str | None:
         """Backs a CPU pool with memory now, lowest pages first (the order the scheduler first hands
         them out), `pages_per_chunk` pages of every layer's K and V at a time, with
         madvise(MADV_POPULATE_WRITE): the page tables are filled as a write would fill them, and
         nothing is written, so it runs beside steps that write the pool. Otherwise the step that
         first writes a page pays for it: on these virtual machines 0.3-3 s per GiB, and a served
         worker whose pool was new spent 11% of its steps' time in the KV write (bfloat16 on an
-        Intel Xeon with AMX, docs/benchmarks.md). False where the pool is not on the CPU or the
-        kernel cannot (before Linux 5.14): the pool stays mapped as it is written."""
+        Intel Xeon with AMX, docs/benchmarks.md). It stops before the machine's available memory
+        would fall under an eighth of its total (a pool set larger than the memory is left to be
+        mapped as it is written, as before, rather than taking the memory at start). Returns None
+        when the whole pool is backed, else why not."""
         if self.k.device.type != "cpu" or not sys.platform.startswith("linux"):
-            return False
+            return "the pool is not in this Linux process's memory"
+        import psutil
+
         madvise = _madvise()
         layers, slots = self.k.shape[0], self.k.shape[1]
         slot_bytes = self.k[0, 0].numel() * self.k.element_size()
         layer_bytes = slots * slot_bytes
         chunk = pages_per_chunk * self.page_size * slot_bytes
+        reserve = psutil.virtual_memory().total // 8
         for start in range(0, layer_bytes, chunk):
+            if psutil.virtual_memory().available < reserve + 2 * layers * chunk:
+                return (f"stopped at {2 * layers * start >> 20} MiB of {self.nbytes >> 20}: the machine's available "
+                        f"memory is near an eighth of its total; the rest is mapped as it is written")
             for tensor in (self.k, self.v):
                 base, end = tensor.data_ptr(), tensor.data_ptr() + layers * layer_bytes
                 for layer in range(layers):
@@ -105,8 +114,8 @@ class KVPool:
                     lo -= lo % _PAGE  # the page holding the range's first byte is the buffer's
                     hi = min(hi + (-hi) % _PAGE, end - end % _PAGE)  # not past the buffer's last whole page
                     if hi > lo and madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
-                        return False
-        return True
+                        return f"madvise(MADV_POPULATE_WRITE) failed ({os.strerror(ctypes.get_errno())}; Linux 5.14+ has it)"
+        return None
 
     @staticmethod
     def pages_for_budget(model: CausalLM, memory_bytes: int, page_size: int) -> int:

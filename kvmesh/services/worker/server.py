@@ -357,10 +357,10 @@ def populate_pool(pool: KVPool) -> None:
     except (OSError, AttributeError):
         pass
     started = time.monotonic()
-    if pool.populate():
+    if (why := pool.populate()) is None:
         log.info("KV pool backed with memory in %.1fs", time.monotonic() - started)
     else:
-        log.info("KV pool left to be mapped as it is written (no MADV_POPULATE_WRITE here)")
+        log.warning("KV pool not backed with memory in full: %s", why)
 
 
 PROFILE_SEQS = 256  # the sampled rows of the profiled step: each one's logits are a vocabulary of float32
