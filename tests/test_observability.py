@@ -45,6 +45,12 @@ def by_name(spans, name):
     return [s for _, s in spans if s.name == name]
 
 
+def parents_present(spans) -> bool:
+    """Whether every span's parent, where it names one, is among `spans`."""
+    ids = {s.span_id for _, s in spans}
+    return all(s.parent_span_id in ids for _, s in spans if s.parent_span_id)
+
+
 def attribute(span, key):
     values = [a.value for a in span.attributes if a.key == key]
     return values[0].string_value if values else None
@@ -66,7 +72,11 @@ def test_one_generate_is_one_trace_across_all_four_services(mesh, receiver):
         if outcome != "unavailable":
             break
     assert outcome != "unavailable", "kvcache did not answer the router's lookup in time in 5 requests"
-    spans = receiver.wait_for(trace_id, lambda s: len(by_name(s, "kvmesh.kv.lookup")) >= 1)
+    # Each service exports its spans in batches of its own, so a child can arrive before its parent:
+    # wait for every span asserted below and for every parent named so far (one that never comes
+    # fails below).
+    expected = ("kvmesh.kv.lookup", "kvmesh.schedule", "kvmesh.queue", "kvmesh.kv.open")
+    spans = receiver.wait_for(trace_id, lambda s: all(by_name(s, name) for name in expected) and parents_present(s))
     assert {svc for svc, _ in spans} == SERVICES
     steps = by_name(spans, "kvmesh.token_step")
     assert len(steps) == n
@@ -77,10 +87,9 @@ def test_one_generate_is_one_trace_across_all_four_services(mesh, receiver):
         assert {"kvmesh.step", "kvmesh.batch_size", "kvmesh.step_tokens", "kvmesh.phase", "kvmesh.forward_ms"} <= attrs
 
     # Parent links: one root (kvmesh.generate); every other span's parent is in the trace.
-    ids = {s.span_id for _, s in spans}
     roots = [s for _, s in spans if not s.parent_span_id]
     assert [s.name for s in roots] == ["kvmesh.generate"]
-    assert all(s.parent_span_id in ids for _, s in spans if s.parent_span_id)
+    assert parents_present(spans)
     generate_span, = by_name(spans, "kvmesh.generate")
     schedule_span, = by_name(spans, "kvmesh.schedule")
     assert schedule_span.parent_span_id == generate_span.span_id
