@@ -309,16 +309,18 @@ def test_autoscale_starts_a_worker_when_the_token_queue_grows(model_dir):
     try:
         assert supervisor.poll() is None and not supervisor.events  # the warm pool (2) is what runs
 
-        async def load():
-            return await run_all(mesh.addr, [greedy(f"queue up {i}", 60) for i in range(24)], timeout=300)
-
         async def run():
-            task = asyncio.create_task(load())
-            deadline = time.monotonic() + 120
+            # Waves of 24 requests (queued: 20 x ~65 tokens against 300 per worker) until the
+            # supervisor starts the third worker: a fast machine may serve one wave before the
+            # scheduler's next queue report (every half second), so the queue is kept up.
+            waves, deadline = [], time.monotonic() + 120
             while time.monotonic() < deadline and len(supervisor.workers()) < 3:
+                if not waves or waves[-1].done():
+                    wave = [greedy(f"queue up {len(waves)} {i}", 60) for i in range(24)]
+                    waves.append(asyncio.create_task(run_all(mesh.addr, wave, timeout=300)))
                 assert supervisor.poll() is None
                 await asyncio.sleep(0.3)
-            return await task
+            return [r for wave in waves for r in await wave]
 
         results = asyncio.run(run())
         assert len(supervisor.workers()) == 3
