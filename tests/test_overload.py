@@ -344,3 +344,23 @@ def test_300_long_requests_on_one_small_worker_complete_or_are_refused_with_a_hi
     assert grpc_probe[0] in ("completed", "refused")
     assert http_status == 200 or (http_status == 429 and int(http_headers["Retry-After"]) >= 1), (http_status, http_headers)
     assert all(w.used_pages == 0 for w in idle)  # every request, served or refused, gave its pages back
+
+
+def test_a_burst_of_2000_streams_from_one_client_is_each_served_or_refused_by_the_router_not_cancelled(small_mesh):
+    """2,000 Generate streams opened at once over one channel: more calls than gRPC core holds for
+    a server by default before it refuses them at random as CANCELLED (kvmesh.services.grpc_server,
+    PENDING_CALLS_SOFT). Each is answered by the mesh itself: served, or refused with a hint."""
+    burst = 2000
+
+    async def run():
+        async with grpc.aio.insecure_channel(small_mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            results = await asyncio.gather(*(outcome(stub, long_request(10_000 + i)) for i in range(burst)))
+            return results, await wait_idle(small_mesh.kvcache_addr, timeout=60)
+
+    results, idle = asyncio.run(run())
+    kinds = [kind for kind, *_ in results]
+    print(f"\nburst: {burst} streams at once: {kinds.count('completed')} completed, {kinds.count('refused')} refused")
+    assert set(kinds) <= {"completed", "refused"}, [r for r in results if r[0] not in ("completed", "refused")][:3]
+    assert kinds.count("completed") > 0 and kinds.count("refused") > 0  # it was an overload, and it was served
+    assert all(w.used_pages == 0 for w in idle)

@@ -27,6 +27,12 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 SETTLE_S = 10.0  # how long a stopped service's leftover tasks and threads get to end
+# Calls gRPC core has accepted and the service has not picked up yet. Past grpc's default (1,000)
+# it refuses new calls at random, and the caller sees CANCELLED with nothing said: a burst of
+# 2,000 Generate streams from one client lost about 190 that way before the router's admission
+# could answer them (RESOURCE_EXHAUSTED with a retry hint). Up to the soft limit every call
+# reaches the service; between it and the hard limit grpc refuses a growing share (a flood).
+PENDING_CALLS_SOFT, PENDING_CALLS_HARD = 10_000, 20_000
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +80,8 @@ class ServiceServer:
 
     def __init__(self, service_names: list[str], add_servicers: Callable[[grpc.aio.Server], None], host: str, port: int,
                  credentials: grpc.ServerCredentials | None = None, max_message_bytes: int | None = None):
-        options = [("grpc.so_reuseport", 0)]
+        options = [("grpc.so_reuseport", 0), ("grpc.server.max_pending_requests", PENDING_CALLS_SOFT),
+                   ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_HARD)]
         if max_message_bytes is not None:
             options.append(("grpc.max_receive_message_length", max_message_bytes))
         self.server = grpc.aio.server(options=options, interceptors=[UndecodableIsInvalidArgument()])
