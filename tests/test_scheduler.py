@@ -8,6 +8,7 @@ expected output is known in advance, preempted or not.
 """
 
 import random
+from collections import deque
 from dataclasses import dataclass
 
 import pytest
@@ -69,8 +70,13 @@ class LevelWorker:
             if chunk.seq_id in self.scheduler.padding:  # a finished row of a padded static batch
                 assert seq.num_computed == self.scheduler.padding[chunk.seq_id] and chunk.num_tokens == 1
             else:
+                # The scheduler counts this chunk, and the one of a plan still out (overlapped
+                # steps), as in flight: the worker has computed that one, and sampled its token.
                 req = requests[chunk.seq_id]
-                assert seq.token_ids == req.all_token_ids and seq.num_computed == req.num_computed_tokens
+                assert seq.num_computed == req.num_computed_tokens + req.num_inflight_tokens - chunk.num_tokens
+                out_before = req.num_inflight_tokens - chunk.num_tokens  # the plan out's tokens
+                sampled_out = out_before and req.num_computed_tokens + out_before == req.num_tokens
+                assert seq.token_ids == req.token_ids + seq.token_ids[req.num_tokens:][:1 if sampled_out else 0]
             assert chunk.num_tokens >= 1
             seq.num_computed += chunk.num_tokens
             assert seq.num_computed <= min(len(seq.token_ids), len(seq.page_ids) * pool.page_size)
@@ -128,6 +134,30 @@ class Run:
 
     def scheduled(self, plan: StepPlan) -> dict[str, int]:
         return {c.seq_id: c.num_tokens for c in plan.scheduled}
+
+
+def overlapped_to_completion(run: Run, max_steps=1000) -> tuple[int, int, int]:
+    """Steps as WorkerLoop.run does with overlap_steps: while a plan is out, the next is planned
+    and sent before the result of the one out is applied. The worker computes plans in order, so
+    the LevelWorker computes each as it is sent. Returns (plans planned ahead, plans ahead that
+    stopped short of pages, tokens computed for requests that had ended meanwhile)."""
+    out, ahead_plans, blocked, discarded = deque(), 0, 0, 0
+    while run.scheduler.has_unfinished() or out:
+        for ahead in (False, True):
+            if ahead != bool(out) or (ahead and run.scheduler.ahead_blocked):
+                continue
+            plan = run.scheduler.schedule(ahead)
+            assert plan.num_tokens <= run.scheduler.config.max_batched_tokens
+            run.pool.check()
+            ahead_plans, blocked = ahead_plans + ahead, blocked + run.scheduler.ahead_blocked
+            if not ahead or plan.scheduled or plan.dropped:
+                out.append((plan, run.worker.step(plan)))
+        plan, result = out.popleft()
+        discarded += sum(t.seq_id not in run.scheduler.requests for t in result.tokens)
+        run.finish_step(plan, result)
+        max_steps -= 1
+        assert max_steps > 0, "no progress"
+    return ahead_plans, blocked, discarded
 
 
 def assert_all_finished_in_full(run: Run) -> None:
@@ -480,3 +510,88 @@ def test_the_requests_ahead_of_a_newcomer_are_those_admission_takes_before_it():
     assert ahead(make_request("urgent", [4], priority=9, arrival=3.0)) == []
     # Aging (a point per 10 s): priority 2 arriving at 21 s ranks as priority 0 arriving at 1 s.
     assert ahead(make_request("mid", [4], priority=2, arrival=21.0)) == ["high", "low"]
+
+
+# -- overlapped steps ----------------------------------------------------------------------------
+
+
+def eos_workload(seed: int) -> list[Request]:
+    """random_workload's requests, half of them ending on an EOS sampled before max_new_tokens."""
+    rng = random.Random(seed)
+    requests = random_workload(seed)
+    for r in requests:
+        r.stopping = StoppingParams(max_new_tokens=r.stopping.max_new_tokens + 3)
+        if rng.random() < 0.5:
+            r.eos_token_ids = (sampled_token(len(r.prompt_token_ids) + rng.randrange(r.stopping.max_new_tokens)),)
+    return requests
+
+
+def ended_output(request: Request) -> list[int]:
+    """expected_output up to its EOS, if it samples one."""
+    full = expected_output(request)
+    ends = [i for i, t in enumerate(full) if t in request.eos_token_ids]
+    return full[:ends[0] + 1] if ends else full
+
+
+@pytest.mark.parametrize("policy", ["newest", "size"])
+def test_overlapped_steps_stream_what_steps_in_turn_stream_and_free_every_page(policy):
+    """Plans made while a step is out give every request the output steps taken one at a time
+    give it, through preemption (pages run short), EOS found after the next plan went out, and
+    pages too few to plan ahead; every page is free at the end."""
+    totals = [0, 0, 0]
+    for seed in range(30):
+        streams = {}
+        for overlapped in (False, True):
+            run = Run(num_pages=12, page_size=2, max_batched_tokens=5, victim_policy=policy)
+            run.add(*eos_workload(seed))
+            if overlapped:
+                totals = [a + b for a, b in zip(totals, overlapped_to_completion(run))]
+            else:
+                run.to_completion()
+            for rid, req in run.requests.items():
+                assert run.streams[rid] == req.output_token_ids == ended_output(req), (seed, overlapped, rid)
+                eos = req.output_token_ids[-1] in req.eos_token_ids
+                assert run.finish_reasons[rid] == [FinishReason.EOS if eos else FinishReason.LENGTH]
+            assert run.pool.stats().used == 0 and not run.scheduler.has_unfinished()
+            assert all(r.num_inflight_tokens == 0 for r in run.requests.values())
+            streams[overlapped] = run.streams
+        assert streams[True] == streams[False]
+    ahead_plans, blocked, discarded = totals
+    # Plans were made ahead, some stopped short of pages (then the next waited and preempted),
+    # and some requests that ended on EOS had a token computed after it, discarded.
+    assert ahead_plans > 100 and blocked > 0 and discarded > 0, totals
+
+
+def test_a_request_whose_last_token_by_length_is_out_is_not_planned_again():
+    run = Run(num_pages=64, page_size=2)
+    run.add(make_request("one", [1, 2, 3], max_new=1), make_request("three", [4, 5], max_new=3))
+    ahead_plans, _, discarded = overlapped_to_completion(run)
+    assert_all_finished_in_full(run)
+    assert ahead_plans > 0 and discarded == 0  # nothing computed past max_new_tokens
+    assert {k: len(v.token_ids) for k, v in run.worker.seqs.items()} == {"three": 2 + 3}  # not dropped yet: no plan since
+
+
+def test_a_request_aborted_while_two_plans_are_out_frees_its_pages_and_the_rest_finish():
+    run = Run(num_pages=64, page_size=2)
+    run.add(make_request("r", [1, 2, 3], max_new=6), make_request("other", [4, 5, 6], max_new=6))
+    first = run.scheduler.schedule()
+    out = deque([(first, run.worker.step(first))])
+    second = run.scheduler.schedule(ahead=True)
+    assert set(run.scheduled(second)) == {"r", "other"}  # both decode the tokens the first step samples
+    out.append((second, run.worker.step(second)))
+    run.scheduler.abort("r")
+    assert run.pool.stats().used == len(run.pool.page_table("other"))
+    while out:
+        run.finish_step(*out.popleft())
+    plan = run.schedule()
+    assert plan.dropped == ["r"] and set(run.scheduled(plan)) == {"other"}
+    run.finish_step(plan, run.worker.step(plan))
+    overlapped_to_completion(run)
+    assert run.requests["other"].output_token_ids == expected_output(run.requests["other"])
+    assert run.requests["r"].output_token_ids == [] and run.pool.stats().used == 0
+
+
+def test_static_batches_are_not_planned_ahead():
+    run = Run(batching="static")
+    with pytest.raises(ValueError, match="continuous batching only"):
+        run.scheduler.schedule(ahead=True)

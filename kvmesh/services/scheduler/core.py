@@ -6,6 +6,10 @@ out, it preempts a victim (frees its pages; it is recomputed later and resumes i
 it stopped). Then it admits waiting requests, highest priority first, while pages and budget
 last. `update()` takes the worker's sampled tokens, applies stop rules and frees finished
 requests' pages in the same step.
+
+`schedule(ahead=True)` plans the step after the one out, before its result (overlapped steps, as
+vLLM's async scheduling): the worker keeps each sequence's tokens, so a plan names how many
+tokens to compute, not which, and a request decodes the token the step out samples for it.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class Scheduler:
         self._chunk_cap = self.config.max_prefill_chunk or self.config.max_batched_tokens
         self.num_preemptions = 0
         self.seq_limit = self.config.max_num_seqs  # lowered for a while by an admission ramp
+        self.ahead_blocked = False  # the last plan ahead stopped short of pages: the next waits for the step out
         # Static batching: a batch keeps admitting, across steps when one step's token budget cannot
         # prefill it all, until it is full, the queue is empty or pages run out; then it is closed
         # until its last request ends.
@@ -147,7 +152,7 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 req.num_preemptions += 1
             req.status = Status.WAITING
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = req.num_inflight_tokens = 0
             req.fetched = None  # pages fetched into this worker: nothing to the next one
             taken.append(req)
         self.running, self.waiting, self.requests = [], [], {}
@@ -159,20 +164,35 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, ahead: bool = False) -> StepPlan:
+        """The next step's plan. With `ahead`, the step after the one out, planned before its result:
+        each running request goes on from where that step leaves it, one whose last token (by
+        max_new_tokens) comes in that step is left out, and nothing is preempted: when pages run
+        short the plan ends there, without admissions, and `ahead_blocked` says that the next plan
+        must wait for the steps out (and may preempt). A request that ends on a token sampled in
+        the step out (EOS, a stop token) still has one token computed in this one, discarded.
+        Continuous batching only (a static batch's padding rows are not planned ahead)."""
+        if ahead and self.config.batching != "continuous":
+            raise ValueError(f"steps overlap in continuous batching only, not {self.config.batching!r}")
         plan = StepPlan(dropped=self._to_drop)
         self._to_drop = []
         chunks: dict[str, ScheduledChunk] = {}
         budget = self.config.max_batched_tokens
-        preempted = False
+        preempted = self.ahead_blocked = False
         grow, cap = self.pool.grow, self._chunk_cap
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget, cap)
-            while (new_pages := grow(req.request_id, req.num_computed_tokens + n)) is None:
+            start, known = req.num_computed_tokens + req.num_inflight_tokens, req.num_known_tokens
+            if known > len(req.token_ids) and len(req.output_token_ids) + 1 >= req.stopping.max_new_tokens:
+                continue  # its last token is being sampled in the step out
+            n = min(known - start, budget, cap)
+            while (new_pages := grow(req.request_id, start + n)) is None:
+                if ahead:
+                    self.ahead_blocked = True
+                    return plan
                 if self.padding:  # padding rows give way before any request is preempted
                     seq_id = next(iter(self.padding))
                     self._drop_padding(seq_id)
@@ -186,6 +206,7 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 chunks[req.request_id] = chunk = ScheduledChunk(req.request_id, n, new_pages)
                 plan.scheduled.append(chunk)
+                req.num_inflight_tokens += n
                 budget -= n
         budget = self._schedule_padding(plan, budget)
         static = self.config.batching != "continuous"
@@ -216,7 +237,7 @@ class Scheduler:
         """Pages running requests still need to hold all the tokens they already know."""
         need = 0
         for r in self.running:
-            need += max(0, self.pool.pages_needed(r.num_tokens) - len(self.pool.page_table(r.request_id)))
+            need += max(0, self.pool.pages_needed(r.num_known_tokens) - len(self.pool.page_table(r.request_id)))
         return need
 
     def _admit(self, plan: StepPlan, chunks: dict[str, ScheduledChunk], budget: int) -> bool:
@@ -244,7 +265,7 @@ class Scheduler:
             outstanding += max(0, later)
             self.waiting.pop(0)
             req.status = Status.RUNNING
-            req.num_computed_tokens = computed
+            req.num_computed_tokens, req.num_inflight_tokens = computed, n
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = computed
                 if req.fetched is not None:  # the part of the hit a fetch brought (unless evicted since)
@@ -296,7 +317,7 @@ class Scheduler:
         self.pool.release(victim.request_id)
         self.running.remove(victim)
         victim.status = Status.WAITING
-        victim.num_computed_tokens = 0
+        victim.num_computed_tokens = victim.num_inflight_tokens = 0  # no step is out when a plan may preempt
         victim.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, victim, key=self._admission_key)
@@ -320,6 +341,7 @@ class Scheduler:
                 continue  # aborted while the step ran (or a padding row released since)
             before = req.num_computed_tokens
             req.num_computed_tokens = after = before + chunk.num_tokens
+            req.num_inflight_tokens -= chunk.num_tokens
             if after // ps != before // ps:  # a page filled up: publish it to the prefix index
                 self.pool.commit(req.request_id, req.token_ids, after)
         events = []
@@ -350,6 +372,7 @@ class Scheduler:
         else:
             self.pool.release(req.request_id)
         req.status = Status.FINISHED
+        req.num_inflight_tokens = 0
         req.finish_reason = reason
         req.finish_time = time.monotonic()
         del self.requests[req.request_id]

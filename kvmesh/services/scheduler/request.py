@@ -39,6 +39,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens in plans sent to the worker whose results have not come back (overlapped steps): they
+    # are computed once their result is applied. 0 whenever the scheduler waits for every result.
+    num_inflight_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     # Of the cached prompt tokens, those whose KV was fetched for it from a peer worker or a
     # host-memory tier (`transfer_source`) rather than found in the worker's own pool.
@@ -73,6 +76,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens it will have once the steps out come back: one more than `num_tokens` while the
+        step out computes its last known token (and so samples the next one)."""
+        pending = self.num_inflight_tokens and self.num_computed_tokens + self.num_inflight_tokens == len(self.token_ids)
+        return len(self.token_ids) + bool(pending)
 
     @property
     def is_finished(self) -> bool:
