@@ -3,6 +3,7 @@ and through the in-process engine, both on one worker with the same settings.
 
     python bench/mesh_overhead.py                 # bench-125m, 32 concurrent streams
     python bench/mesh_overhead.py --model DIR --concurrency 32 --output-len 128
+    python bench/mesh_overhead.py --scheduler-arg=--overlap-steps --scheduler-arg=false
 
 Alternates a mesh pass and an in-process pass (after one warm-up pass of each) and prints
 the medians, their ratio, and the scheduler's per-step time split
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--kv-memory-mib", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="measured passes of each (after one warm-up pass)")
+    ap.add_argument("--scheduler-arg", action="append", default=[], help="passed to the mesh's scheduler (repeat for each word)")
     args = ap.parse_args()
     from kvmesh.modelgen import bench_model_dir
     from kvmesh.services.launcher import free_port, launch, stop
@@ -75,7 +77,8 @@ def main() -> None:
 
     engine = LLMEngine(EngineConfig(model=model_dir, kv_memory_bytes=args.kv_memory_mib << 20))
     port = free_port()
-    children, redis_proc, redis_url = launch(model_dir, 1, None, port, extra_worker=["--kv-memory-mib", str(args.kv_memory_mib)])
+    children, redis_proc, redis_url = launch(model_dir, 1, None, port, extra_worker=["--kv-memory-mib", str(args.kv_memory_mib)],
+                                          extra_scheduler=args.scheduler_arg)
     mesh_runs, engine_runs = [], []
     try:
         # Alternate the two so that this machine's drifting speed hits both alike; pass 0 warms up.

@@ -155,6 +155,8 @@ class SchedulerMetrics:
                                     registry=registry)
         self.step_tokens = Histogram("kvmesh_step_tokens", "Tokens in one step (decodes plus prefill chunks).",
                                      w, buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        self.steps_ahead = Counter("kvmesh_steps_planned_ahead", "Steps planned and sent while the step before was "
+                                   "still out (overlap_steps).", w, registry=registry)
         # Where prompt KV came from, and the page fetches that brought it (issue 16's moving pages).
         self.hits_by_source = Counter("kvmesh_prefix_cache_hits_by_source",
                                       "Prompt tokens not computed for a request, by where their KV came from: local "
@@ -179,7 +181,7 @@ class SchedulerMetrics:
     def _series(self):
         """(metric, labels it takes besides the worker)"""
         with_model = (self.running, self.waiting, self.preemptions, self.prefix_queries, self.prefix_hits)
-        worker_only = (self.token_queue, self.orphaned_pages, self.step, self.batch_size, self.step_tokens)
+        worker_only = (self.token_queue, self.orphaned_pages, self.step, self.batch_size, self.step_tokens, self.steps_ahead)
         return [(m, (self.model_name,)) for m in with_model] + [(m, ()) for m in worker_only]
 
     def worker(self, worker: str) -> "WorkerSeries":
@@ -224,6 +226,7 @@ class WorkerSeries:
     step: Histogram
     batch_size: Histogram
     step_tokens: Histogram
+    steps_ahead: Counter
     hits_by_source: dict = field(default_factory=dict)  # source -> Counter
     transfer_bytes: dict = field(default_factory=dict)  # source -> Counter
     transfers: dict = field(default_factory=dict)  # (source, outcome) -> Counter

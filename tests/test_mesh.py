@@ -4,20 +4,25 @@ import asyncio
 import os
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
 from kvmesh.v1 import generation_pb2_grpc
 from local_mesh import Mesh, collect, page_stats, queue_state, streams_through, wait_idle
-from reference import assert_matches_reference, hf_greedy
+from reference import Reference, assert_matches_reference, hf_greedy
 
 
-@pytest.fixture(scope="module")
-def mesh(model_dir):
-    m = Mesh(model_dir)
+# The scheduler plans each step after the worker's result (overlap_steps auto: off on a CPU
+# worker), or plans the next step while one is out (on): every test of this mesh runs with both.
+@pytest.fixture(scope="module", params=["auto", "on"], ids=lambda v: f"overlap-{v}")
+def mesh(model_dir, request):
+    m = Mesh(model_dir, extra_scheduler=["--overlap-steps", request.param])
+    m.overlap = request.param
     yield m
     m.close()
 
@@ -100,6 +105,35 @@ def test_stop_string_spanning_tokens_ends_the_stream(mesh):
     assert finish.completion_tokens == len(stopped)
 
 
+def test_streams_ending_on_a_stop_token_mid_stream_end_there_exactly(mesh, model_dir):
+    """Each stream stops on a token id its greedy output reaches at a different step: found in a
+    step's result after the next step (with overlap) already computes one token more for it.
+    What streams is the reference's output up to that token, and every page comes back."""
+    tok = Tokenizer.from_dir(model_dir)
+    prompts = [f"stop token {i} river" for i in range(12)]
+    refs = [hf_greedy(model_dir, tok.encode(p), 16) for p in prompts]
+    # The first position of each stream whose token did not come earlier in it: the stop there.
+    stops = [next(j for j in range(i % 8, 16) if ref.token_ids[j] not in ref.token_ids[:j]) for i, ref in enumerate(refs)]
+
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            return await asyncio.gather(*(collect(stub, greedy(p, 16, stop_token_ids=[ref.token_ids[j]]))
+                                          for p, ref, j in zip(prompts, refs, stops))), await wait_idle(mesh.kvcache_addr)
+
+    results, idle = asyncio.run(run())
+    compared = 0
+    for (tokens, logprobs, _, finish), ref, j in zip(results, refs, stops):
+        assert finish.reason == gen.STOP and finish.completion_tokens == len(tokens) == j + 1, (finish, j)
+        compared += assert_matches_reference(tokens, logprobs, Reference(ref.token_ids[:j + 1], ref.logits[:j + 1]))
+    assert compared == sum(stops) + len(stops)
+    assert all(w.used_pages == 0 for w in idle), idle
+    with urllib.request.urlopen(f"http://{mesh.child('scheduler').http}/metrics", timeout=10) as response:
+        metrics = text_string_to_metric_families(response.read().decode())
+    ahead = sum(s.value for f in metrics if f.name == "kvmesh_steps_planned_ahead" for s in f.samples if s.name.endswith("_total"))
+    assert (ahead > 0) == (mesh.overlap == "on"), ahead  # auto: off for these CPU workers
+
+
 @pytest.mark.parametrize("request_kwargs, field", [
     (dict(prompt=""), "prompt"),
     (dict(prompt="hello", stopping=gen.StoppingParams(max_new_tokens=5000)), "max_new_tokens"),
@@ -145,8 +179,9 @@ def test_list_models_and_tokenize(mesh, model_dir):
     assert list(ids.ids) == Tokenizer.from_dir(model_dir).encode("river stone")
 
 
-def test_a_killed_workers_streams_continue_exactly_on_another_worker(model_dir):
-    mesh = Mesh(model_dir)
+@pytest.mark.parametrize("overlap", ["auto", "on"])
+def test_a_killed_workers_streams_continue_exactly_on_another_worker(model_dir, overlap):
+    mesh = Mesh(model_dir, extra_scheduler=["--overlap-steps", overlap])
     try:
         tok = Tokenizer.from_dir(model_dir)
         prompts = [f"long stream {i}" for i in range(6)]

@@ -200,6 +200,7 @@ class SchedulerServiceConfig:
     max_prefill_chunk: int = dataclasses.field(default=512, metadata=_help("prefill tokens one request may take per step (0: the whole budget); leaves room for short requests beside a long prompt"))
     aging_s: float = dataclasses.field(default=10.0, metadata=_help("a waiting request gains one priority point per this many seconds (0: off)"))
     batching: str = dataclasses.field(default="continuous", metadata=_help("continuous; static (the baseline: a batch runs until its longest request ends, finished rows still decoding as in a padded batch); static-unpadded (finished rows leave the batch)"))
+    overlap_steps: str = dataclasses.field(default="auto", metadata=_help("continuous batching: send the next step's plan while the worker computes the current one, so the worker never waits for the scheduler between steps (a request that ends on a token sampled in the step out, EOS or a stop token, has one more token computed and discarded): on, off, or auto (on for workers on an accelerator; off on CPU, where the scheduler's work would take the cores the worker's step runs on)"))
     max_queue_len: int = dataclasses.field(default=1024, metadata=_help("waiting requests at most; more get RESOURCE_EXHAUSTED"))
     max_queue_wait_s: float = dataclasses.field(default=300.0, metadata=_help("a request that could not start within this long is refused at once (RESOURCE_EXHAUSTED with a retry hint, estimated from the requests ahead of it and the worker's measured step rates), and one that waits this long all the same is refused then (0: no limit)"))
     prefix_caching: bool = dataclasses.field(default=True, metadata=_help("share prompt prefixes"))
@@ -216,6 +217,8 @@ class SchedulerServiceConfig:
         from kvmesh.services.scheduler.placement import PlacementConfig
 
         self.core_config()
+        if self.overlap_steps not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_steps must be auto, on or off, got {self.overlap_steps!r}")
         if self.kv_fetch not in ("auto", "always", "never"):
             raise ValueError(f"kv_fetch must be auto, always or never, got {self.kv_fetch!r}")
         if self.max_queue_len < 1 or self.max_queue_wait_s < 0:

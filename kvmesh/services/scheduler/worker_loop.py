@@ -1,7 +1,10 @@
 """One worker's continuous batching loop, as the scheduler runs it.
 
 A `WorkerLoop` holds the worker's page pool (this scheduler owns the worker's pages) and the
-scheduler core, and drives one long-lived `Worker/Step` stream: one round trip per step. After
+scheduler core, and drives one long-lived `Worker/Step` stream: one plan and one result per step.
+With overlapped steps (`overlap_steps`), the next step's plan goes out while the worker computes
+the current one (two plans out at most; Scheduler.schedule(ahead=True)), so the worker does not
+wait for the scheduler between steps. After
 each step it hands tokens to the requests' streams, and its publisher sends the step's page
 events (prefix-index changes, page counts) to the kvcache service write-behind (kv_events.py).
 When the stream breaks it hands its requests to `on_gone` (the service moves them to other
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -77,6 +80,18 @@ class Fetch:
 
 
 @dataclass
+class SentPlan:
+    """A plan on its way to the worker: its step number, when its planning began and how long it
+    took, and when it was sent."""
+
+    step: int
+    plan: StepPlan
+    scheduled_at: float
+    schedule_s: float
+    sent_at: float
+
+
+@dataclass
 class WalkedQueue:
     """The wait estimate's walk of a worker's queue, valid while the worker's epoch stays `epoch`:
     its first `count` waiting requests walked, `last` the last of them (a request inserted ahead
@@ -118,6 +133,9 @@ class WorkerLoop:
         self.info = info
         self.version = info.version or "v1"
         self.draining = False  # failed its health checks: takes nothing new
+        # Plan the next step while one is out (SchedulerServiceConfig.overlap_steps).
+        on_accelerator = (info.device or "cpu") != "cpu"
+        self.overlap = cfg.batching == "continuous" and (cfg.overlap_steps == "on" or cfg.overlap_steps == "auto" and on_accelerator)
         self.ramp = None  # an AdmissionRamp while a late-joining worker takes load gradually
         self.task: asyncio.Task | None = None
         self.stub: worker_pb2_grpc.WorkerStub | None = None
@@ -349,11 +367,13 @@ class WorkerLoop:
         call = self.stub.Step(metadata=((wire.LEASE_TOKEN_METADATA, str(self.lease_token)),
                                         (wire.SCHEDULER_METADATA, self.owner)))
         step = 0
+        out: deque[SentPlan] = deque()  # plans sent whose results have not come back (two at most)
         pending_read = None  # a read left open while idle: it completes only if the stream ends
         reason = "stopped"
+        read_at = done_at = 0.0  # when the last result was read, and when it was applied
         try:
             while True:
-                if not self.core.has_unfinished():
+                if not out and not self.core.has_unfinished():
                     self.publisher.after_step()
                     self.wake.clear()
                     pending_read = pending_read or asyncio.ensure_future(call.read())
@@ -363,19 +383,35 @@ class WorkerLoop:
                         woken.cancel()
                         pending_read.result()  # raises the stream's error, if it has one
                         raise WorkerGone("the worker closed its step stream")
-                t0 = time.perf_counter()
-                plan = self.schedule()
-                step += 1
-                self._count_admissions(plan)
-                t1 = time.perf_counter()
-                await call.write(wire.plan_to_proto(step, plan))
+                # While a step is out, the next is planned and sent before its result comes back, so
+                # the worker goes from one step to the next without waiting for this loop.
+                for ahead in (False, True):
+                    if ahead != bool(out) or (ahead and (not self.overlap or self.core.ahead_blocked)):
+                        continue
+                    t0 = time.perf_counter()
+                    plan = self.schedule(ahead)
+                    if not ahead or plan.scheduled or plan.dropped:
+                        step += 1
+                        self._count_admissions(plan)
+                        t1 = time.perf_counter()
+                        await call.write(wire.plan_to_proto(step, plan))
+                        out.append(SentPlan(step, plan, t0, t1 - t0, time.perf_counter()))
+                        if ahead:
+                            self.metrics.steps_ahead.inc()
                 result = await (pending_read or call.read())
                 pending_read = None
                 t2 = time.perf_counter()
                 if result is grpc.aio.EOF:
                     raise WorkerGone("the worker closed its step stream")
+                sent = out.popleft()
+                plan = sent.plan
+                if result.step != sent.step:
+                    raise WorkerGone(f"the worker answered step {result.step} where step {sent.step} was next")
+                # The worker began this step once it had the plan and had sent the last result.
+                round_trip, read_at = t2 - max(sent.sent_at, read_at), t2
                 if result.error:
                     self._fail([c.seq_id for c in plan.scheduled], f"worker {self.worker_id} step failed: {result.error}")
+                    done_at = time.perf_counter()
                     continue
                 step_result = wire.result_from_proto(result)
                 self._note_tier(step_result)
@@ -385,9 +421,10 @@ class WorkerLoop:
                 for seq_id, why in step_result.failed.items():
                     self._fail([seq_id], f"worker {self.worker_id} failed the request" + (f": {why}" if why else ""))
                 self.publisher.after_step()
-                self._account(t0, t1, t2, result.forward_ms / 1000)
-                self.throughput.record(plan.num_tokens, time.perf_counter() - t0, len(plan.scheduled))
-                self._step_hist.observe(t2 - t1)
+                began, done_at = max(sent.scheduled_at, done_at), time.perf_counter()
+                self._account(sent.schedule_s, round_trip, result.forward_ms / 1000, done_at - t2)
+                self.throughput.record(plan.num_tokens, done_at - began, len(plan.scheduled))
+                self._step_hist.observe(round_trip)
                 self._batch_hist.observe(len(plan.scheduled))
                 self._tokens_hist.observe(plan.num_tokens)
         except (grpc.aio.AioRpcError, WorkerGone) as e:
@@ -410,12 +447,13 @@ class WorkerLoop:
             self.publisher.close()
             await shipper
 
-    def schedule(self) -> StepPlan:
-        """The next step's plan (the admission ramp's batch limit first, while it lasts)."""
+    def schedule(self, ahead: bool = False) -> StepPlan:
+        """The next step's plan (the admission ramp's batch limit first, while it lasts); `ahead`:
+        planned while a step is out, before its result (Scheduler.schedule)."""
         if self.ramp is not None:
             self.core.seq_limit = self.ramp.limit(time.monotonic())
             self.ramp = None if self.core.seq_limit >= self.core.config.max_num_seqs else self.ramp
-        plan = self.core.schedule()
+        plan = self.core.schedule(ahead)
         self._load_epoch += 1  # requests admitted, preempted or given chunks: the queue changed
         self.pool.trace_opened()
         return plan
@@ -436,14 +474,16 @@ class WorkerLoop:
             self.tier.add(h)
             changes.append((True, h))
 
-    def _account(self, t0: float, t1: float, t2: float, forward_s: float) -> None:
+    def _account(self, schedule_s: float, round_trip_s: float, forward_s: float, update_s: float) -> None:
+        """A step's parts: planning it, the worker's forward pass, the rest of its round trip (from
+        when the worker could begin it), applying its result."""
         self._load_epoch += 1  # its tokens moved on, requests ended
         t = self.timing
         t["steps"] += 1
-        t["schedule_s"] += t1 - t0
+        t["schedule_s"] += schedule_s
         t["forward_s"] += forward_s
-        t["wire_s"] += (t2 - t1) - forward_s
-        t["update_s"] += time.perf_counter() - t2
+        t["wire_s"] += max(0.0, round_trip_s - forward_s)
+        t["update_s"] += update_s
 
     def _count_admissions(self, plan) -> None:
         """Prefix cache queries and hits (in prompt tokens) at a request's first admission; preemptions."""
