@@ -8,6 +8,7 @@ so where a prompt is sent decides whether its prefix is cached or recomputed. Ea
 gets a fresh mesh.
 
     cd bench && ../.venv/bin/python prefix_routing.py
+    cd bench && ../.venv/bin/python prefix_routing.py --dtype bfloat16 --kv-memory-mib 48   # the same ~4,000 tokens
 
 Prints, per configuration, time to first token (p50, p90), output tokens/s and the share of prompt
 tokens served from the prefix cache.
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--kv-memory-mib", type=int, default=96, help="KV memory per worker (96 MiB: ~4,000 tokens of bench-125m)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="", help="the workers' --dtype (default: the checkpoint's, float32)")
     ap.add_argument("--configs", default=";".join(CONFIGS), help="semicolon-separated subset of: " + "; ".join(CONFIGS))
     args = ap.parse_args()
     from kvmesh.modelgen import bench_model_dir
@@ -51,7 +53,8 @@ def main() -> None:
         port = free_port()
         children, redis_proc, redis_url = launch(
             model_dir, 4, None, port, schedulers=schedulers, extra_router=router_args,
-            extra_worker=["--threads", "1", "--kv-memory-mib", str(args.kv_memory_mib)])
+            extra_worker=["--threads", "1", "--kv-memory-mib", str(args.kv_memory_mib),
+                          *(["--dtype", args.dtype] if args.dtype else [])])
         try:
             wait_split(redis_url, children, 120)
             ttfts, tps, cached = asyncio.run(drive(f"127.0.0.1:{port}", prompts, args.output_len, args.concurrency))
