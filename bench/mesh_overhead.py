@@ -3,7 +3,7 @@ and through the in-process engine, both on one worker with the same settings.
 
     python bench/mesh_overhead.py                 # bench-125m, 32 concurrent streams
     python bench/mesh_overhead.py --model DIR --concurrency 32 --output-len 128
-    python bench/mesh_overhead.py --scheduler-arg=--overlap-steps --scheduler-arg=false
+    python bench/mesh_overhead.py --scheduler-arg=--overlap-steps --scheduler-arg=on   # or off, auto
 
 Alternates a mesh pass and an in-process pass (after one warm-up pass of each) and prints
 the medians, their ratio, and the scheduler's per-step time split

@@ -39,8 +39,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
-    # Tokens in plans sent to the worker whose results have not come back (overlapped steps): they
-    # are computed once their result is applied. 0 whenever the scheduler waits for every result.
+    # Tokens in plans sent to the worker whose results have not been applied (its chunk of the
+    # step out; of two steps with overlapped steps): they count as computed once their result is.
     num_inflight_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     # Of the cached prompt tokens, those whose KV was fetched for it from a peer worker or a
