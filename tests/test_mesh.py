@@ -300,3 +300,33 @@ def test_a_request_id_already_in_use_is_rejected_and_the_first_stream_is_unharme
     error, tokens, finish = asyncio.run(run())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "same-id" in error.details()
     assert finish.reason == gen.LENGTH and len(tokens) == 600
+
+
+def test_with_steps_overlapped_a_request_the_worker_fails_alone_ends_in_error_and_the_rest_exactly(model_dir):
+    """A worker that fails some sequences alone (--fault-rate: the same request ids on every run)
+    while the scheduler already has their next step out: each failed request ends once, with an
+    ERROR finish naming the worker's reason; every other one streams transformers' tokens; every
+    page comes back."""
+    mesh = Mesh(model_dir, workers=1, extra_worker=["--fault-rate", "0.3"], extra_scheduler=["--overlap-steps", "on"])
+    try:
+        tok = Tokenizer.from_dir(model_dir)
+        prompts = [f"fault {i} stone light" for i in range(16)]
+
+        async def run():
+            async with grpc.aio.insecure_channel(mesh.addr) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                results = await asyncio.gather(*(collect(stub, greedy(p, 12)) for p in prompts))
+                return results, await wait_idle(mesh.kvcache_addr)
+
+        results, idle = asyncio.run(run())
+        failed = [f for _, _, _, f in results if f.reason == gen.ERROR]
+        assert 0 < len(failed) < len(prompts), [f.reason for _, _, _, f in results]
+        assert all("injected fault" in f.message for f in failed), failed[0]
+        compared = 0
+        for prompt, (tokens, logprobs, _, finish) in zip(prompts, results):
+            if finish.reason == gen.LENGTH:
+                compared += assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, tok.encode(prompt), 12))
+        assert compared == 12 * (len(prompts) - len(failed))
+        assert all(w.used_pages == 0 for w in idle), idle
+    finally:
+        mesh.close()
