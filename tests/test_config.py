@@ -36,6 +36,8 @@ def test_invalid_scheduler_setting_is_an_error_naming_it():
     assert proc.returncode == 2 and "worker_choice" in proc.stderr
     proc = serve_check("scheduler", "--victim-policy", "oldest")
     assert proc.returncode == 2 and "victim_policy" in proc.stderr
+    proc = serve_check("scheduler", "--overlap-steps", "true")
+    assert proc.returncode == 2 and "overlap_steps must be auto, on or off" in proc.stderr
 
 
 def test_fleet_settings_are_checked_and_errors_name_the_setting():

@@ -371,6 +371,22 @@ class WorkerLoop:
         pending_read = None  # a read left open while idle: it completes only if the stream ends
         reason = "stopped"
         read_at = done_at = 0.0  # when the last result was read, and when it was applied
+
+        async def send(ahead: bool) -> None:
+            """Plans the next step (`ahead`: while one is out) and sends it; a plan ahead with nothing in it is not sent."""
+            nonlocal step
+            t0 = time.perf_counter()
+            plan = self.schedule(ahead)
+            if ahead and not (plan.scheduled or plan.dropped):
+                return
+            step += 1
+            self._count_admissions(plan)
+            t1 = time.perf_counter()
+            await call.write(wire.plan_to_proto(step, plan))
+            out.append(SentPlan(step, plan, t0, t1 - t0, time.perf_counter()))
+            if ahead:
+                self.metrics.steps_ahead.inc()
+
         try:
             while True:
                 if not out and not self.core.has_unfinished():
@@ -383,21 +399,12 @@ class WorkerLoop:
                         woken.cancel()
                         pending_read.result()  # raises the stream's error, if it has one
                         raise WorkerGone("the worker closed its step stream")
-                # While a step is out, the next is planned and sent before its result comes back, so
+                if not out:
+                    await send(ahead=False)
+                # With one step out, the next is planned and sent before its result comes back, so
                 # the worker goes from one step to the next without waiting for this loop.
-                for ahead in (False, True):
-                    if ahead != bool(out) or (ahead and (not self.overlap or self.core.ahead_blocked)):
-                        continue
-                    t0 = time.perf_counter()
-                    plan = self.schedule(ahead)
-                    if not ahead or plan.scheduled or plan.dropped:
-                        step += 1
-                        self._count_admissions(plan)
-                        t1 = time.perf_counter()
-                        await call.write(wire.plan_to_proto(step, plan))
-                        out.append(SentPlan(step, plan, t0, t1 - t0, time.perf_counter()))
-                        if ahead:
-                            self.metrics.steps_ahead.inc()
+                if self.overlap and not self.core.ahead_blocked:
+                    await send(ahead=True)
                 result = await (pending_read or call.read())
                 pending_read = None
                 t2 = time.perf_counter()
