@@ -58,7 +58,7 @@ def wait_serving(child, timeout=RECOVER_S):
 def greedy(i, request_id=""):
     return gen.GenerateRequest(prompt=f"stream {i} walks by the river stone", request_id=request_id,
                                sampling=gen.SamplingParams(temperature=0.0),
-                               stopping=gen.StoppingParams(max_new_tokens=64 + 4 * i, ignore_eos=True))
+                               stopping=gen.StoppingParams(max_new_tokens=256 + 8 * i, ignore_eos=True))
 
 
 def seeded(request_id=""):
