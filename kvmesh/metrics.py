@@ -141,6 +141,10 @@ class SchedulerMetrics:
                                       mw, registry=registry)
         self.prefix_hits = Counter("kvmesh_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    mw, registry=registry)
+        self.prefix_waits = Counter("kvmesh_prefix_cache_waits",
+                                    "Requests that waited for a running request to compute pages of their prompt "
+                                    "(the same system prompt), to take them from the prefix cache instead of computing "
+                                    "them again.", mw, registry=registry)
         self.orphaned_pages = Gauge("kvmesh_kv_pages_held_by_finished_requests",
                                     "KV pages held by sequences that are no longer running or waiting; must be 0.",
                                     w, registry=registry)
@@ -180,7 +184,7 @@ class SchedulerMetrics:
 
     def _series(self):
         """(metric, labels it takes besides the worker)"""
-        with_model = (self.running, self.waiting, self.preemptions, self.prefix_queries, self.prefix_hits)
+        with_model = (self.running, self.waiting, self.preemptions, self.prefix_queries, self.prefix_hits, self.prefix_waits)
         worker_only = (self.token_queue, self.orphaned_pages, self.step, self.batch_size, self.step_tokens, self.steps_ahead)
         return [(m, (self.model_name,)) for m in with_model] + [(m, ()) for m in worker_only]
 
@@ -221,6 +225,7 @@ class WorkerSeries:
     preemptions: Counter
     prefix_queries: Counter
     prefix_hits: Counter
+    prefix_waits: Counter
     token_queue: Gauge
     orphaned_pages: Gauge
     step: Histogram

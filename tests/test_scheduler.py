@@ -200,6 +200,90 @@ def test_a_prefix_hit_is_admitted_with_its_cached_tokens_already_computed():
     assert_all_finished_in_full(run)
 
 
+def prompt_tokens_computed(plans: list[StepPlan], run: Run) -> int:
+    """Tokens the plans had the worker compute for prompts (not the decodes after them)."""
+    done, total = {}, 0
+    for plan in plans:
+        for new in plan.new:
+            done[new.seq_id] = new.num_computed_tokens
+        for chunk in plan.scheduled:
+            prompt = len(run.requests[chunk.seq_id].prompt_token_ids)
+            total += max(0, min(done[chunk.seq_id] + chunk.num_tokens, prompt) - done[chunk.seq_id])
+            done[chunk.seq_id] += chunk.num_tokens
+    return total
+
+
+def test_requests_arriving_with_one_system_prompt_compute_it_once_and_wait_for_its_pages():
+    """Two requests with one 40-token system prompt, queued together, prefill chunked by the budget:
+    the second waits while the first computes the shared pages, then takes them from the cache
+    instead of computing them again; a request behind it with another prompt is not held up."""
+    system = list(range(100, 140))
+    run = Run(num_pages=64, page_size=4, max_batched_tokens=16, max_prefill_chunk=8)
+    run.add(make_request("first", system + [1, 2, 3], arrival=0.0), make_request("second", system + [4, 5], arrival=1.0),
+            make_request("other", [7, 7, 7], arrival=2.0))
+    plans = [run.step()[0] for _ in range(6)]  # "first" prefills 8 tokens a step
+    assert [[n.seq_id for n in p.new] for p in plans] == [["first", "other"], [], [], [], [], ["second"]]
+    plans += run.to_completion()
+    assert_all_finished_in_full(run)
+    assert run.requests["second"].num_cached_prompt_tokens == 40  # every page of the system prompt
+    assert prompt_tokens_computed(plans, run) == 43 + 2 + 3  # the system prompt once
+    assert run.scheduler.num_deferred >= 1
+
+
+def test_a_request_waiting_for_anothers_pages_computes_them_itself_when_that_one_is_aborted():
+    system = list(range(100, 140))
+    run = Run(num_pages=64, page_size=4, max_batched_tokens=16)
+    run.add(make_request("first", system + [1], arrival=0.0), make_request("second", system + [2], arrival=1.0))
+    run.step()
+    plan, _ = run.step()
+    assert not plan.new and run.requests["second"].status is Status.WAITING
+    run.scheduler.abort("first")  # 32 of its tokens computed: 8 pages cached
+    plan, _ = run.step()
+    assert [(n.seq_id, n.num_computed_tokens) for n in plan.new] == [("second", 32)]
+    run.to_completion()
+    assert run.requests["second"].output_token_ids == expected_output(run.requests["second"])
+    assert run.pool.stats().used == 0 and not run.scheduler._computing
+
+
+def shared_prompt_workload(seed: int) -> list[Request]:
+    """Ten requests over three 12-token system prompts with their own 0..5 tokens, some ending on EOS."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    requests = []
+    for i in range(10):
+        r = make_request(f"r{i}", rng.choice(systems) + [rng.randrange(50) for _ in range(rng.randrange(6))],
+                         max_new=rng.randint(1, 6), priority=rng.randint(0, 1), arrival=float(i))
+        if rng.random() < 0.3:
+            r.eos_token_ids = (sampled_token(len(r.prompt_token_ids) + rng.randrange(r.stopping.max_new_tokens)),)
+        requests.append(r)
+    return requests
+
+
+@pytest.mark.parametrize("num_pages", [14, 64])
+def test_requests_waiting_for_shared_pages_finish_alike_in_turn_and_overlapped_through_preemption(num_pages):
+    """Requests that wait for a running request's pages end with the stream they would have had,
+    whether steps are taken in turn or overlapped, in pools small enough to preempt the request
+    being waited for; every page is free at the end and nothing is left marked as computing."""
+    deferred = preempted = 0
+    for seed in range(25):
+        streams = {}
+        for overlapped in (False, True):
+            run = Run(num_pages=num_pages, page_size=2, max_batched_tokens=6)
+            run.add(*shared_prompt_workload(seed))
+            if overlapped:
+                overlapped_to_completion(run)
+            else:
+                run.to_completion()
+            for rid, req in run.requests.items():
+                assert run.streams[rid] == req.output_token_ids == ended_output(req), (seed, overlapped, rid)
+            assert run.pool.stats().used == 0 and not run.scheduler.has_unfinished()
+            assert not run.scheduler._computing
+            deferred, preempted = deferred + run.scheduler.num_deferred, preempted + run.scheduler.num_preemptions
+            streams[overlapped] = run.streams
+        assert streams[True] == streams[False]
+    assert deferred > 0 and (preempted > 0 or num_pages == 64), (deferred, preempted)
+
+
 # -- the token budget ----------------------------------------------------------------------------
 
 

@@ -7,6 +7,11 @@ it stopped). Then it admits waiting requests, highest priority first, while page
 last. `update()` takes the worker's sampled tokens, applies stop rules and frees finished
 requests' pages in the same step.
 
+A waiting request whose next uncached page a running request is computing now (the same system
+prompt, arrived together) waits for that page instead of computing it too, and takes it from the
+prefix cache a step or a chunk later (SGLang's in-batch prefix caching); the requests behind it
+are admitted meanwhile. Continuous batching only.
+
 `schedule(ahead=True)` plans the step after the one out, before its result (overlapped steps, as
 vLLM's async scheduling): the worker keeps each sequence's tokens, so a plan names how many
 tokens to compute, not which, and a request decodes the token the step out samples for it.
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 from kvmesh.params import InvalidRequest
 from kvmesh.services.kvcache.eviction import VICTIM_POLICIES, pick_victim
-from kvmesh.services.kvcache.pages import PagePool
+from kvmesh.services.kvcache.pages import PagePool, page_hash
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan, StepResult
 
@@ -92,6 +97,10 @@ class Scheduler:
         self._watermark = max(1, pool.num_pages // 100)
         self._chunk_cap = self.config.max_prefill_chunk or self.config.max_batched_tokens
         self.num_preemptions = 0
+        self.num_deferred = 0  # requests that waited for pages a running request was computing
+        # Page hash -> (the running request computing that page, its index): pages not in the prefix
+        # index yet that a waiting request may wait for instead of computing them again.
+        self._computing: dict[bytes, tuple[Request, int]] = {}
         self.seq_limit = self.config.max_num_seqs  # lowered for a while by an admission ramp
         self.ahead_blocked = False  # the last plan ahead stopped short of pages: the next waits for the step out
         # Static batching: a batch keeps admitting, across steps when one step's token budget cannot
@@ -149,6 +158,7 @@ class Scheduler:
         taken = []
         for req in self.running + self.waiting:
             self.pool.release(req.request_id)
+            self._forget_computing(req)
             if req.status is Status.RUNNING:
                 req.num_preemptions += 1
             req.status = Status.WAITING
@@ -247,12 +257,23 @@ class Scheduler:
         pages one chunk at a time; so a flood of long prompts waits instead of thrashing.
         Returns True when only this step's token budget stopped it (the next step may admit more)."""
         outstanding = self._outstanding_pages()
-        while self.waiting and len(self.running) + len(self.padding) < min(self.seq_limit, self.config.max_num_seqs):
+        share = self.config.batching == "continuous" and self.pool.enable_prefix_caching
+        at = 0  # waiting[:at] wait for pages running requests are computing
+        while at < len(self.waiting) and len(self.running) + len(self.padding) < min(self.seq_limit, self.config.max_num_seqs):
             if budget <= 0:
                 return True
-            req = self.waiting[0]
+            req = self.waiting[at]
+            if share and self._still_computing(req.wait_for_page):
+                at += 1
+                continue
             tokens = req.all_token_ids
             prefix = self.pool.match_prefix(tokens)
+            if share and (wait_for := self._computing_next(tokens, prefix)) is not None and wait_for[0] is not req:
+                self.num_deferred += req.wait_for_page is None
+                req.wait_for_page = wait_for
+                at += 1
+                continue
+            req.wait_for_page = None
             self.pool.open(req.request_id, prefix)
             computed = len(prefix) * self.pool.page_size
             n = min(req.num_tokens - computed, budget, self._chunk_cap)
@@ -263,7 +284,9 @@ class Scheduler:
                 self.pool.release(req.request_id)
                 return False
             outstanding += max(0, later)
-            self.waiting.pop(0)
+            self.waiting.pop(at)
+            if share:
+                self._note_computing(req, tokens, prefix)
             req.status = Status.RUNNING
             req.num_computed_tokens, req.num_inflight_tokens = computed, n
             if req.num_preemptions == 0:
@@ -284,6 +307,41 @@ class Scheduler:
             plan.scheduled.append(chunk)
             budget -= n
         return False
+
+    def _still_computing(self, entry: tuple[Request, int] | None) -> bool:
+        """Whether the request in `entry` is running and has not computed that page yet."""
+        if entry is None:
+            return False
+        owner, page = entry
+        return owner.status is Status.RUNNING and owner.num_computed_tokens < (page + 1) * self.pool.page_size
+
+    def _computing_next(self, tokens: list[int], prefix: list[int]) -> tuple[Request, int] | None:
+        """The running request computing the first page of `tokens` past its cached `prefix`, if one is."""
+        if not self._computing:
+            return None
+        ps, k = self.pool.page_size, len(prefix)
+        if k >= (len(tokens) - 1) // ps:
+            return None  # no full page left that a hit may cover
+        h = page_hash(self.pool.hash_of[prefix[-1]] if prefix else None, tokens[k * ps : (k + 1) * ps])
+        entry = self._computing.get(h)
+        return entry if self._still_computing(entry) else None
+
+    def _note_computing(self, req: Request, tokens: list[int], prefix: list[int]) -> None:
+        """Records the full pages past `prefix` that the admitted `req` will compute."""
+        ps, parent = self.pool.page_size, self.pool.hash_of[prefix[-1]] if prefix else None
+        mine = []
+        for i in range(len(prefix), (len(tokens) - 1) // ps):
+            parent = page_hash(parent, tokens[i * ps : (i + 1) * ps])
+            if not self._still_computing(self._computing.get(parent)):
+                self._computing[parent] = (req, i)
+                mine.append(parent)
+        req.computing_hashes = mine
+
+    def _forget_computing(self, req: Request) -> None:
+        for h in req.computing_hashes:
+            if (entry := self._computing.get(h)) is not None and entry[0] is req:
+                del self._computing[h]
+        req.computing_hashes = []
 
     def _schedule_padding(self, plan: StepPlan, budget: int) -> int:
         """One decode token for every padding row that can still grow; returns the budget left."""
@@ -315,6 +373,7 @@ class Scheduler:
     def _preempt(self, victim: Request, plan: StepPlan, chunks: dict[str, ScheduledChunk]) -> int:
         """Frees the victim's pages and requeues it; returns the budget its dropped chunk held."""
         self.pool.release(victim.request_id)
+        self._forget_computing(victim)
         self.running.remove(victim)
         victim.status = Status.WAITING
         victim.num_computed_tokens = victim.num_inflight_tokens = 0  # no step is out when a plan may preempt
@@ -359,6 +418,7 @@ class Scheduler:
         return events
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        self._forget_computing(req)
         if req.status is Status.RUNNING:
             self.running.remove(req)
             pads = self.config.batching == "static" and reason not in (FinishReason.CANCELLED, FinishReason.ERROR)

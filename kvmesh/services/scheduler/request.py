@@ -55,6 +55,10 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Prompt pages it computes that others may wait for (hashes), and, while it waits, the running
+    # request and page it waits for (Scheduler's in-batch prefix sharing).
+    computing_hashes: list[bytes] = field(default_factory=list, repr=False)
+    wait_for_page: "tuple[Request, int] | None" = field(default=None, repr=False)
     traceparent: str = ""  # W3C trace context of the scheduler's span for this request ("" when not traced)
     # Prompt and output in one list, kept as tokens arrive, so a step reads new pages' tokens
     # without copying the whole context.

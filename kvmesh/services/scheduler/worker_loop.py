@@ -160,7 +160,7 @@ class WorkerLoop:
         self.output_lengths = OutputLengths()  # how long outputs that may end on their own ran: the estimate's too
         self.metrics = metrics.worker(self.worker_id)
         self._step_hist, self._batch_hist, self._tokens_hist = self.metrics.step, self.metrics.batch_size, self.metrics.step_tokens
-        self._preemptions_seen = 0
+        self._preemptions_seen = self._deferred_seen = 0
         self._load, self._load_epoch, self._load_summed_at = 0, 0, -1  # queued_tokens' running sum
         self._walked: WalkedQueue | None = None  # the wait estimate's walk of the queue, kept within an epoch
 
@@ -493,7 +493,8 @@ class WorkerLoop:
         t["update_s"] += update_s
 
     def _count_admissions(self, plan) -> None:
-        """Prefix cache queries and hits (in prompt tokens) at a request's first admission; preemptions."""
+        """Prefix cache queries and hits (in prompt tokens) at a request's first admission; preemptions;
+        requests that waited for another's pages."""
         m = self.metrics
         for new in plan.new:
             req = self.core.requests.get(new.seq_id)
@@ -506,6 +507,9 @@ class WorkerLoop:
         if self.core.num_preemptions != self._preemptions_seen:
             m.preemptions.inc(self.core.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = self.core.num_preemptions
+        if self.core.num_deferred != self._deferred_seen:
+            m.prefix_waits.inc(self.core.num_deferred - self._deferred_seen)
+            self._deferred_seen = self.core.num_deferred
 
     def publish_metrics(self, waiting_tokens: int) -> None:
         m = self.metrics
