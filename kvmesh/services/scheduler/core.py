@@ -159,6 +159,7 @@ class Scheduler:
         for req in self.running + self.waiting:
             self.pool.release(req.request_id)
             self._forget_computing(req)
+            req.wait_for_page = None
             if req.status is Status.RUNNING:
                 req.num_preemptions += 1
             req.status = Status.WAITING
@@ -309,11 +310,12 @@ class Scheduler:
         return False
 
     def _still_computing(self, entry: tuple[Request, int] | None) -> bool:
-        """Whether the request in `entry` is running and has not computed that page yet."""
+        """Whether the request in `entry` is running on this worker and has not computed that page yet."""
         if entry is None:
             return False
         owner, page = entry
-        return owner.status is Status.RUNNING and owner.num_computed_tokens < (page + 1) * self.pool.page_size
+        return (owner.status is Status.RUNNING and self.requests.get(owner.request_id) is owner
+                and owner.num_computed_tokens < (page + 1) * self.pool.page_size)
 
     def _computing_next(self, tokens: list[int], prefix: list[int]) -> tuple[Request, int] | None:
         """The running request computing the first page of `tokens` past its cached `prefix`, if one is."""
