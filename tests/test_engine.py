@@ -105,6 +105,7 @@ def test_prefix_hit_reports_cached_tokens_and_same_tokens(hf_checkpoint):
     assert_matches_reference(second.token_ids, second.logprobs, hf_greedy(model_dir, b, 12))
     [again] = engine.generate([a], GREEDY, stop)
     assert again.token_ids == first.token_ids and again.num_cached_prompt_tokens == 64
+    assert_all_pages_returned(engine)
 
 
 def test_prompts_given_together_with_one_shared_prefix_compute_it_once_and_match_transformers(hf_checkpoint):
@@ -120,7 +121,6 @@ def test_prompts_given_together_with_one_shared_prefix_compute_it_once_and_match
     compared = sum(assert_matches_reference(d.token_ids, d.logprobs, hf_greedy(model_dir, p, 8))
                    for d, p in zip(done, prompts))
     assert compared >= 16, compared
-    assert engine.page_stats().free + engine.page_stats().cached == engine.page_stats().total
     assert_all_pages_returned(engine)
 
 
