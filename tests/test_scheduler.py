@@ -230,6 +230,21 @@ def test_requests_arriving_with_one_system_prompt_compute_it_once_and_wait_for_i
     assert run.scheduler.num_deferred >= 1
 
 
+def test_a_request_waiting_for_a_running_prompts_pages_is_not_refused_as_queued_too_long():
+    system = list(range(100, 140))
+    run = Run(num_pages=64, page_size=4, max_batched_tokens=16, max_prefill_chunk=8, max_num_seqs=2)
+    run.add(make_request("first", system + [1], arrival=0.0), make_request("second", system + [2], arrival=1.0),
+            make_request("beside", [8] * 20, arrival=2.0), make_request("queued", [9] * 30, arrival=3.0))
+    for _ in range(3):  # "second" waits for "first"'s pages; "beside" takes the other slot; "queued" waits for one
+        plan, _ = run.step()
+        assert "second" not in run.scheduled(plan)
+    events = run.scheduler.expire_waiting(max_wait_s=30.0, now=40.0)
+    assert [e.request.request_id for e in events] == ["queued"]  # "second" is being served
+    run.to_completion()
+    assert run.requests["second"].num_cached_prompt_tokens == 40
+    assert run.requests["second"].output_token_ids == expected_output(run.requests["second"])
+
+
 def test_a_request_waiting_for_anothers_pages_computes_them_itself_when_that_one_is_aborted():
     system = list(range(100, 140))
     run = Run(num_pages=64, page_size=4, max_batched_tokens=16)

@@ -232,9 +232,11 @@ class Scheduler:
     def expire_waiting(self, max_wait_s: float, now: float | None = None) -> list[TokenEvent]:
         """Refuses requests that have waited longer than max_wait_s without ever being scheduled:
         nothing of theirs was computed or streamed, so each ends CANCELLED here and `refused` (a
-        load refusal for its client, with a retry hint), not ERROR."""
+        load refusal for its client, with a retry hint), not ERROR. One waiting for the pages of its
+        prompt that a running request is computing is being served, not queued: it stays."""
         now = time.monotonic() if now is None else now
-        expired = [r for r in self.waiting if r.first_scheduled_time is None and now - r.arrival_time > max_wait_s]
+        expired = [r for r in self.waiting if r.first_scheduled_time is None and now - r.arrival_time > max_wait_s
+                   and not self._waits_for_prefill(r)]
         events = []
         for req in expired:
             event = self.abort(req.request_id, FinishReason.CANCELLED)
@@ -316,6 +318,14 @@ class Scheduler:
         owner, page = entry
         return (owner.status is Status.RUNNING and self.requests.get(owner.request_id) is owner
                 and owner.num_computed_tokens < (page + 1) * self.pool.page_size)
+
+    def _waits_for_prefill(self, req: Request) -> bool:
+        """Whether `req` waits for pages of a request running here that is still prefilling."""
+        if req.wait_for_page is None:
+            return False
+        owner = req.wait_for_page[0]
+        return (owner.status is Status.RUNNING and self.requests.get(owner.request_id) is owner
+                and owner.num_computed_tokens < len(owner.prompt_token_ids))
 
     def _computing_next(self, tokens: list[int], prefix: list[int]) -> tuple[Request, int] | None:
         """The running request computing the first page of `tokens` past its cached `prefix`, if one is."""
