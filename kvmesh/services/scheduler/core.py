@@ -316,16 +316,17 @@ class Scheduler:
         if entry is None:
             return False
         owner, page = entry
-        return (owner.status is Status.RUNNING and self.requests.get(owner.request_id) is owner
-                and owner.num_computed_tokens < (page + 1) * self.pool.page_size)
+        return self._running_here(owner) and owner.num_computed_tokens < (page + 1) * self.pool.page_size
 
     def _waits_for_prefill(self, req: Request) -> bool:
         """Whether `req` waits for pages of a request running here that is still prefilling."""
         if req.wait_for_page is None:
             return False
         owner = req.wait_for_page[0]
-        return (owner.status is Status.RUNNING and self.requests.get(owner.request_id) is owner
-                and owner.num_computed_tokens < len(owner.prompt_token_ids))
+        return self._running_here(owner) and owner.num_computed_tokens < len(owner.prompt_token_ids)
+
+    def _running_here(self, req: Request) -> bool:
+        return req.status is Status.RUNNING and self.requests.get(req.request_id) is req
 
     def _computing_next(self, tokens: list[int], prefix: list[int]) -> tuple[Request, int] | None:
         """The running request computing the first page of `tokens` past its cached `prefix`, if one is."""
