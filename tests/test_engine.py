@@ -109,15 +109,15 @@ def test_prefix_hit_reports_cached_tokens_and_same_tokens(hf_checkpoint):
 
 
 def test_prompts_given_together_with_one_shared_prefix_compute_it_once_and_match_transformers(hf_checkpoint):
-    """Four prompts with a shared 70-token prefix in one call: the first computes its four full
+    """Four prompts with a shared 300-token prefix in one call: the first computes its 18 full
     pages, the other three wait a step for them and take them from the cache, not computing them
     again in the same step; every output is transformers' greedy output."""
     model_dir = hf_checkpoint("llama")
     engine = LLMEngine(EngineConfig(model=model_dir, num_pages=64))
-    shared = random_prompts(1, (70, 70), seed=5)[0]
+    shared = random_prompts(1, (300, 300), seed=5)[0]
     prompts = [shared + [7 + i] * (i + 1) for i in range(4)]
     done = engine.generate(prompts, GREEDY, StoppingParams(max_new_tokens=8, ignore_eos=True))
-    assert [d.num_cached_prompt_tokens for d in done] == [0, 64, 64, 64]
+    assert [d.num_cached_prompt_tokens for d in done] == [0, 288, 288, 288]
     compared = sum(assert_matches_reference(d.token_ids, d.logprobs, hf_greedy(model_dir, p, 8))
                    for d, p in zip(done, prompts))
     assert compared >= 16, compared

@@ -218,7 +218,7 @@ def test_requests_arriving_with_one_system_prompt_compute_it_once_and_wait_for_i
     the second waits while the first computes the shared pages, then takes them from the cache
     instead of computing them again; a request behind it with another prompt is not held up."""
     system = list(range(100, 140))
-    run = Run(num_pages=64, page_size=4, max_batched_tokens=16, max_prefill_chunk=8)
+    run = Run(num_pages=64, page_size=4, max_batched_tokens=16, max_prefill_chunk=8, min_shared_wait_tokens=8)
     run.add(make_request("first", system + [1, 2, 3], arrival=0.0), make_request("second", system + [4, 5], arrival=1.0),
             make_request("other", [7, 7, 7], arrival=2.0))
     plans = [run.step()[0] for _ in range(6)]  # "first" prefills 8 tokens a step
@@ -232,7 +232,8 @@ def test_requests_arriving_with_one_system_prompt_compute_it_once_and_wait_for_i
 
 def test_a_request_waiting_for_a_running_prompts_pages_is_not_refused_as_queued_too_long():
     system = list(range(100, 140))
-    run = Run(num_pages=64, page_size=4, max_batched_tokens=16, max_prefill_chunk=8, max_num_seqs=2)
+    run = Run(num_pages=64, page_size=4, max_batched_tokens=16, max_prefill_chunk=8, max_num_seqs=2,
+              min_shared_wait_tokens=8)
     run.add(make_request("first", system + [1], arrival=0.0), make_request("second", system + [2], arrival=1.0),
             make_request("beside", [8] * 20, arrival=2.0), make_request("queued", [9] * 30, arrival=3.0))
     for _ in range(3):  # "second" waits for "first"'s pages; "beside" takes the other slot; "queued" waits for one
@@ -245,9 +246,20 @@ def test_a_request_waiting_for_a_running_prompts_pages_is_not_refused_as_queued_
     assert run.requests["second"].output_token_ids == expected_output(run.requests["second"])
 
 
+def test_a_short_shared_head_is_computed_again_rather_than_waited_for():
+    """Sharing fewer than min_shared_wait_tokens (a chat template's head) is not worth a step."""
+    head = list(range(100, 108))  # two pages of 4
+    run = Run(num_pages=64, page_size=4, max_batched_tokens=64, min_shared_wait_tokens=12)
+    run.add(make_request("first", head + [1] * 20, arrival=0.0), make_request("second", head + [2] * 20, arrival=1.0))
+    plan, _ = run.step()
+    assert [n.seq_id for n in plan.new] == ["first", "second"] and run.scheduler.num_deferred == 0
+    run.to_completion()
+    assert_all_finished_in_full(run)
+
+
 def test_a_request_waiting_for_anothers_pages_computes_them_itself_when_that_one_is_aborted():
     system = list(range(100, 140))
-    run = Run(num_pages=64, page_size=4, max_batched_tokens=16)
+    run = Run(num_pages=64, page_size=4, max_batched_tokens=16, min_shared_wait_tokens=8)
     run.add(make_request("first", system + [1], arrival=0.0), make_request("second", system + [2], arrival=1.0))
     run.step()
     plan, _ = run.step()
@@ -283,7 +295,7 @@ def test_requests_waiting_for_shared_pages_finish_alike_in_turn_and_overlapped_t
     for seed in range(25):
         streams = {}
         for overlapped in (False, True):
-            run = Run(num_pages=num_pages, page_size=2, max_batched_tokens=6)
+            run = Run(num_pages=num_pages, page_size=2, max_batched_tokens=6, min_shared_wait_tokens=4)
             run.add(*shared_prompt_workload(seed))
             if overlapped:
                 overlapped_to_completion(run)

@@ -7,10 +7,10 @@ it stopped). Then it admits waiting requests, highest priority first, while page
 last. `update()` takes the worker's sampled tokens, applies stop rules and frees finished
 requests' pages in the same step.
 
-A waiting request whose next uncached page a running request is computing now (the same system
-prompt, arrived together) waits for that page instead of computing it too, and takes it from the
-prefix cache a step or a chunk later (SGLang's in-batch prefix caching); the requests behind it
-are admitted meanwhile. Continuous batching only.
+A waiting request whose next uncached pages a running request is computing now (the same system
+prompt, arrived together; `min_shared_wait_tokens` of them at least) waits for them instead of
+computing them too, and takes them from the prefix cache a step or a chunk later (SGLang's in-batch
+prefix caching); the requests behind it are admitted meanwhile. Continuous batching only.
 
 `schedule(ahead=True)` plans the step after the one out, before its result (overlapped steps, as
 vLLM's async scheduling): the worker keeps each sequence's tokens, so a plan names how many
@@ -45,7 +45,10 @@ class SchedulerConfig:
     token budget cannot prefill it all) and runs until its longest request ends before the next is
     admitted. In `static` a finished request's row stays in the batch and keeps decoding, its
     tokens discarded, as a row of a fixed-shape batch does (transformers' generate, the classic
-    static servers); in `static-unpadded` finished rows leave the batch, saving their compute."""
+    static servers); in `static-unpadded` finished rows leave the batch, saving their compute.
+    min_shared_wait_tokens: a waiting request waits for prompt pages a running request is computing
+    (in-batch prefix sharing) only when at least this many of its tokens would come from them; a
+    short shared head (a chat template) is not worth the step it would wait."""
 
     max_batched_tokens: int = 1024
     max_num_seqs: int = 128
@@ -53,8 +56,11 @@ class SchedulerConfig:
     aging_s: float = 10.0
     batching: str = "continuous"
     max_prefill_chunk: int = 0  # prefill tokens one request may take in a step (0: the whole budget)
+    min_shared_wait_tokens: int = 256
 
     def __post_init__(self):
+        if self.min_shared_wait_tokens < 1:
+            raise ValueError(f"min_shared_wait_tokens must be >= 1, got {self.min_shared_wait_tokens}")
         if self.max_prefill_chunk < 0:
             raise ValueError(f"max_prefill_chunk must be >= 0 (0: no cap), got {self.max_prefill_chunk}")
         if self.aging_s < 0:
@@ -271,7 +277,7 @@ class Scheduler:
                 continue
             tokens = req.all_token_ids
             prefix = self.pool.match_prefix(tokens)
-            if share and (wait_for := self._computing_next(tokens, prefix)) is not None and wait_for[0] is not req:
+            if share and (wait_for := self._shared_run_computing(tokens, prefix)) is not None and wait_for[0] is not req:
                 self.num_deferred += req.wait_for_page is None
                 req.wait_for_page = wait_for
                 at += 1
@@ -328,16 +334,23 @@ class Scheduler:
     def _running_here(self, req: Request) -> bool:
         return req.status is Status.RUNNING and self.requests.get(req.request_id) is req
 
-    def _computing_next(self, tokens: list[int], prefix: list[int]) -> tuple[Request, int] | None:
-        """The running request computing the first page of `tokens` past its cached `prefix`, if one is."""
+    def _shared_run_computing(self, tokens: list[int], prefix: list[int]) -> tuple[Request, int] | None:
+        """(the running request, page) computing the first page of `tokens` past its cached `prefix`,
+        when running requests compute at least min_shared_wait_tokens of the pages from there on."""
         if not self._computing:
             return None
         ps, k = self.pool.page_size, len(prefix)
-        if k >= (len(tokens) - 1) // ps:
-            return None  # no full page left that a hit may cover
-        h = page_hash(self.pool.hash_of[prefix[-1]] if prefix else None, tokens[k * ps : (k + 1) * ps])
-        entry = self._computing.get(h)
-        return entry if self._still_computing(entry) else None
+        want = -(-self.config.min_shared_wait_tokens // ps)
+        if k + want > (len(tokens) - 1) // ps:
+            return None  # fewer full pages left than would be worth waiting for
+        parent, first = self.pool.hash_of[prefix[-1]] if prefix else None, None
+        for i in range(k, k + want):
+            parent = page_hash(parent, tokens[i * ps : (i + 1) * ps])
+            entry = self._computing.get(parent)
+            if not self._still_computing(entry):
+                return None
+            first = first or entry
+        return first
 
     def _note_computing(self, req: Request, tokens: list[int], prefix: list[int]) -> None:
         """Records the full pages past `prefix` that the admitted `req` will compute."""
