@@ -38,6 +38,8 @@ def test_invalid_scheduler_setting_is_an_error_naming_it():
     assert proc.returncode == 2 and "victim_policy" in proc.stderr
     proc = serve_check("scheduler", "--overlap-steps", "true")
     assert proc.returncode == 2 and "overlap_steps must be auto, on or off" in proc.stderr
+    proc = serve_check("scheduler", "--min-shared-wait-tokens", "0")
+    assert proc.returncode == 2 and "min_shared_wait_tokens must be >= 1, got 0" in proc.stderr
 
 
 def test_fleet_settings_are_checked_and_errors_name_the_setting():

@@ -208,8 +208,9 @@ class SchedulerServiceConfig:
     worker_choice: str = dataclasses.field(default="kv", metadata=_help("kv (prefix overlap vs load) or round-robin"))
     prefill_weight: float = dataclasses.field(default=1.0, metadata=_help("kv choice: cost per prompt page to prefill"))
     load_weight: float = dataclasses.field(default=0.05, metadata=_help("kv choice: cost per page of queued work"))
-    balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("kv choice: allowed load above the least loaded worker, as a fraction of its load"))
-    balance_slack_pages: float = dataclasses.field(default=32.0, metadata=_help("kv choice: allowed load above the least loaded worker, in pages, at least"))
+    balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("kv choice: allowed backlog (load plus the prompt pages still to prefill there) above the lowest worker's, as a fraction of it"))
+    balance_slack_pages: float = dataclasses.field(default=32.0, metadata=_help("kv choice: allowed backlog above the lowest worker's, in pages, at least"))
+    min_shared_wait_tokens: int = dataclasses.field(default=256, metadata=_help("a waiting request waits for prompt pages a running request on its worker is computing (the same system prompt), instead of computing them too, when at least this many of its tokens would come from them"))
     detach_grace_s: float = dataclasses.field(default=30.0, metadata=_help("a request whose client named its request_id runs on this long after its stream drops (router or client gone), its tokens kept, for the client to resume it (GenerateRequest.resume_from); then it is cancelled and its pages freed"))
 
     def __post_init__(self):
@@ -259,7 +260,7 @@ class SchedulerServiceConfig:
         from kvmesh.services.scheduler.core import SchedulerConfig
 
         return SchedulerConfig(self.max_batched_tokens, self.max_num_seqs, self.victim_policy, self.aging_s, self.batching,
-                               self.max_prefill_chunk)
+                               self.max_prefill_chunk, self.min_shared_wait_tokens)
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,7 @@ class RouterConfig:
     max_request_bytes: int = dataclasses.field(default=8 << 20, metadata=_help("largest request body (HTTP, then 413) or message (gRPC, then RESOURCE_EXHAUSTED)"))
     max_prompt_chars: int = dataclasses.field(default=1 << 20, metadata=_help("longest prompt text, all chat messages together, in characters; checked before tokenizing (400 above it)"))
     scheduler_choice: str = dataclasses.field(default="kv", metadata=_help("which scheduler of a pool with several takes a request: kv (the one whose worker holds the longest cached prefix of the prompt, weighed against the work this router has in flight there; docs/kvcache.md) or round-robin"))
-    route_balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("scheduler choice's balance guard: only schedulers whose in-flight work is within max(route_balance_slack_pages, this x the least loaded one's) of it are candidates, so a hot prefix spreads"))
+    route_balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("scheduler choice's balance guard: only schedulers whose backlog (in-flight work plus the prompt pages still to prefill there) is within max(route_balance_slack_pages, this x the lowest) of the lowest are candidates, so a hot prefix spreads"))
     route_balance_slack_pages: float = dataclasses.field(default=64.0, metadata=_help("scheduler choice's balance guard: the smallest allowed gap, in pages of work"))
     resume_timeout_s: float = dataclasses.field(default=30.0, metadata=_help("a request whose scheduler or worker died is resubmitted (with the tokens already streamed) to a live scheduler, retried with backoff for this long, then UNAVAILABLE"))
     drain_s: float = dataclasses.field(default=30.0, metadata=_help("on SIGTERM the router takes no new calls (gRPC UNAVAILABLE, the HTTP port closed, health NOT_SERVING) and lets the calls in flight on both ports finish for up to this long, then ends them (a gRPC client with a request_id resumes through another router)"))
