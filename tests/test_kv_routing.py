@@ -83,6 +83,20 @@ def test_a_hot_prefix_is_spread_over_both_workers(mesh):
     assert len(per_worker) == 2 and min(per_worker.values()) >= 5, per_worker
 
 
+def test_requests_sent_together_with_a_new_long_prefix_compute_it_once(mesh, model_dir):
+    """Four requests with one new 1,800-token prefix at once: its prefill takes four steps (512
+    tokens a step), and the three that arrive meanwhile go to the worker computing it and wait for
+    its pages rather than computing them again (or take them from the cache, if they arrive after)."""
+    prefix = random_ids(1800, seed=70)
+    prompts = [prefix + random_ids(5 + i, seed=700 + i) for i in range(4)]
+    results = generate_all(mesh.addr, [ids_request(p, 6) for p in prompts])
+    finishes = [f for *_, f in results]
+    assert len({f.worker_id for f in finishes}) == 1, [f.worker_id for f in finishes]
+    assert sorted(f.cached_prompt_tokens for f in finishes) == [0, 1792, 1792, 1792]  # 112 full pages
+    tokens, logprobs, _, _ = results[1]
+    assert assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, prompts[1], 6)) >= 1
+
+
 def test_prefix_mirror_counts_only_live_epochs(mesh):
     """Entries written under an old epoch are never counted, whatever Redis still holds."""
     async def run():
