@@ -260,7 +260,8 @@ class Scheduler:
         return need
 
     def _admit(self, plan: StepPlan, chunks: dict[str, ScheduledChunk], budget: int) -> bool:
-        """Admits waiting requests in order while the budget, max_num_seqs and pages allow. A
+        """Admits waiting requests in order while the budget, max_num_seqs and pages allow, passing
+        over those that wait for prompt pages a running request is computing (they stay queued). A
         request is admitted only when pages for its whole known sequence (prompt, plus output
         after a preemption) fit beside what running requests still need, though it is given
         pages one chunk at a time; so a flood of long prompts waits instead of thrashing.
@@ -277,7 +278,7 @@ class Scheduler:
                 continue
             tokens = req.all_token_ids
             prefix = self.pool.match_prefix(tokens)
-            if share and (wait_for := self._shared_run_computing(tokens, prefix)) is not None and wait_for[0] is not req:
+            if share and (wait_for := self._shared_run_computing(tokens, prefix)) is not None:
                 self.num_deferred += req.wait_for_page is None
                 req.wait_for_page = wait_for
                 at += 1
