@@ -13,25 +13,24 @@ def test_the_worker_holding_the_prefix_wins_at_similar_load():
 
 
 def test_a_worker_too_far_above_the_least_loaded_is_not_a_candidate():
-    # b holds the prefix but carries 60 pages more work than a, which would prefill 18 more pages
-    # than b: b's backlog (61) is past a's (19) plus the 32-page slack.
-    views = [WorkerView("a", 0, 0, 0), WorkerView("b", 18, 60, 40)]
+    # b holds the prefix but carries 40 pages more work than a: past the 32-page slack.
+    views = [WorkerView("a", 0, 0, 0), WorkerView("b", 18, 40, 40)]
     assert choose_worker(19, views, CFG).worker_id == "a"
     assert choose_worker(19, views, PlacementConfig(balance_slack_pages=64)).worker_id == "b"
 
 
-def test_a_less_loaded_worker_that_would_compute_the_prompt_again_is_not_idle_for_it():
-    # b carries 40 pages more work than a, but a would first prefill the 18 pages b holds (or is
-    # computing for a queued prompt): b's backlog (41) is within the slack of a's (19).
-    views = [WorkerView("a", 0, 0, 0), WorkerView("b", 18, 40, 40)]
-    assert choose_worker(19, views, CFG).worker_id == "b"
+def test_a_prefix_still_queued_on_a_worker_does_not_count_against_it_for_a_request_sharing_it():
+    # b's 40 pages include the 18 of a prompt queued there that this request shares (a system
+    # prompt sent just before it): it would compute them on a too, so b's load for it is 22, in
+    # the slack. Were those pages cached already (no credit), a hot prefix spreads to a as above.
+    assert choose_worker(19, [WorkerView("a", 0, 0, 0), WorkerView("b", 18, 40, 40, 18)], CFG).worker_id == "b"
+    assert choose_worker(19, [WorkerView("a", 0, 0, 0), WorkerView("b", 18, 60, 40, 18)], CFG).worker_id == "a"
 
 
 def test_the_guard_grows_with_load():
-    # Lowest backlog 119 (a: 100 pages of load, 19 to prefill): b's may be up to 59.5 pages
-    # (balance_ratio 0.5) above it.
-    assert choose_worker(19, [WorkerView("a", 0, 100, 0), WorkerView("b", 18, 170, 40)], CFG).worker_id == "b"
-    assert choose_worker(19, [WorkerView("a", 0, 100, 0), WorkerView("b", 18, 180, 40)], CFG).worker_id == "a"
+    # Lowest load 100: b may be up to 50 pages (balance_ratio 0.5) above it.
+    views = [WorkerView("a", 0, 100, 0), WorkerView("b", 18, 145, 40)]
+    assert choose_worker(19, views, CFG).worker_id == "b"
 
 
 def test_ties_go_to_the_worker_holding_fewer_pages_then_by_id():

@@ -29,14 +29,18 @@ def page_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> b
     return h.digest()
 
 
-def prefix_hashes(token_ids: list[int], page_size: int) -> list[bytes]:
-    """The chained hashes of the full pages of `token_ids` that a prefix hit may cover (the last
-    token is always computed, so a page ending on it is left out)."""
-    hashes, parent = [], None
-    for i in range((len(token_ids) - 1) // page_size):
+def chained_hashes(token_ids: list[int], page_size: int, start: int = 0, parent: bytes | None = None):
+    """(i, hash of page i) for the pages from `start` that a prefix hit may cover (the last token
+    is always computed, so a page ending on it is left out), chained from `parent`, the hash of
+    page start - 1. A generator: a caller that stops early hashes no further."""
+    for i in range(start, (len(token_ids) - 1) // page_size):
         parent = page_hash(parent, token_ids[i * page_size : (i + 1) * page_size])
-        hashes.append(parent)
-    return hashes
+        yield i, parent
+
+
+def prefix_hashes(token_ids: list[int], page_size: int) -> list[bytes]:
+    """The chained hashes of the full pages of `token_ids` that a prefix hit may cover."""
+    return [h for _, h in chained_hashes(token_ids, page_size)]
 
 
 @dataclass(frozen=True)
@@ -137,10 +141,9 @@ class PagePool:
         uncached (its logits must be computed)."""
         if not self.enable_prefix_caching:
             return []
-        pages, parent, ps = [], None, self.page_size
-        for i in range((len(token_ids) - 1) // ps):
-            parent = page_hash(parent, token_ids[i * ps : (i + 1) * ps])
-            page = self.index.get(parent)
+        pages = []
+        for _, h in chained_hashes(token_ids, self.page_size):
+            page = self.index.get(h)
             if page is None:
                 break
             pages.append(page)

@@ -58,8 +58,9 @@ class SchedulerChoice:
         views = []
         for address in addresses:
             mine = self.in_flight.get(address) or InFlight()
-            prefix = max(held.get(address, 0), leading(mine.hashes, hashes))
-            views.append(WorkerView(address, prefix, mine.tokens / page_size, self.sent[address]))
+            cached, sent = held.get(address, 0), leading(mine.hashes, hashes)
+            views.append(WorkerView(address, max(cached, sent), mine.tokens / page_size, self.sent[address],
+                                    max(0, sent - cached)))
         best = choose_worker(len(hashes), views, self.cfg)
         return best.worker_id, best.prefix_pages
 

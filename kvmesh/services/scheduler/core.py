@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kvmesh.params import InvalidRequest
 from kvmesh.services.kvcache.eviction import VICTIM_POLICIES, pick_victim
-from kvmesh.services.kvcache.pages import PagePool, page_hash
+from kvmesh.services.kvcache.pages import PagePool, chained_hashes
 from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan, StepResult
 
@@ -344,10 +344,11 @@ class Scheduler:
         want = -(-self.config.min_shared_wait_tokens // ps)
         if k + want > (len(tokens) - 1) // ps:
             return None  # fewer full pages left than would be worth waiting for
-        parent, first = self.pool.hash_of[prefix[-1]] if prefix else None, None
-        for i in range(k, k + want):
-            parent = page_hash(parent, tokens[i * ps : (i + 1) * ps])
-            entry = self._computing.get(parent)
+        first = None
+        for i, h in chained_hashes(tokens, ps, k, self.pool.hash_of[prefix[-1]] if prefix else None):
+            if i == k + want:
+                break
+            entry = self._computing.get(h)
             if not self._still_computing(entry):
                 return None
             first = first or entry
@@ -355,13 +356,11 @@ class Scheduler:
 
     def _note_computing(self, req: Request, tokens: list[int], prefix: list[int]) -> None:
         """Records the full pages past `prefix` that the admitted `req` will compute."""
-        ps, parent = self.pool.page_size, self.pool.hash_of[prefix[-1]] if prefix else None
         mine = []
-        for i in range(len(prefix), (len(tokens) - 1) // ps):
-            parent = page_hash(parent, tokens[i * ps : (i + 1) * ps])
-            if not self._still_computing(self._computing.get(parent)):
-                self._computing[parent] = (req, i)
-                mine.append(parent)
+        for i, h in chained_hashes(tokens, self.pool.page_size, len(prefix), self.pool.hash_of[prefix[-1]] if prefix else None):
+            if not self._still_computing(self._computing.get(h)):
+                self._computing[h] = (req, i)
+                mine.append(h)
         req.computing_hashes = mine
 
     def _forget_computing(self, req: Request) -> None:

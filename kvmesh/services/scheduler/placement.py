@@ -5,14 +5,14 @@ cost(worker) = prefill_weight * (prompt pages the worker would still have to pre
                               generate for its queued and running requests / page size)
 A worker "holds" a prompt page when the page is in its prefix index or belongs to a prompt
 already queued there (so a burst of requests with a new shared prefix follows the first one).
-Balance guard: a worker's backlog for this request is its load plus the prompt pages it would
-still have to prefill (the work before the request's first token there); only workers whose
-backlog is within max(balance_slack_pages, balance_ratio * lowest backlog) of the lowest are
-candidates, so one hot prefix (a shared system prompt) cannot pile every request on one worker
-while the others idle. The prefill counts on both sides: a less loaded worker that would have to
-compute the prompt again is not idle for this request (a burst of new system prompts would
-otherwise be computed on every worker its followers spill to). Ties go to the worker holding
-fewer pages, then by id.
+Balance guard: only workers whose load is within max(balance_slack_pages, balance_ratio *
+lowest load) of the least loaded worker are candidates, so one hot prefix (a shared system
+prompt) cannot pile every request on one worker while the others idle. A worker's load here
+leaves out the prompt pages this request shares that are still queued there (a prompt arrived
+just before it, not computed yet): that prefill is work the request needs wherever it goes, so a
+burst of requests with a new system prompt stays with the worker computing it instead of
+computing it again on every worker it would spill to. Pages already cached get no such credit,
+so a hot cached prefix spreads. Ties go to the worker holding fewer pages, then by id.
 """
 
 from __future__ import annotations
@@ -42,16 +42,17 @@ class WorkerView:
     prefix_pages: int  # leading prompt pages the worker holds (cached or being computed)
     load_pages: float
     held_pages: int  # pages in use or cached
+    queued_prefix_pages: int = 0  # of prefix_pages, those a queued prompt will compute (not cached yet)
 
 
 def choose_worker(prompt_pages: int, views: list[WorkerView], cfg: PlacementConfig) -> WorkerView:
     """The cheapest eligible worker for a prompt of `prompt_pages` full pages; `views` non-empty."""
-    def backlog(v: WorkerView) -> float:
-        return v.load_pages + prompt_pages - v.prefix_pages
+    def load(v: WorkerView) -> float:
+        return v.load_pages - v.queued_prefix_pages
 
-    lowest = min(backlog(v) for v in views)
+    lowest = min(load(v) for v in views)
     limit = lowest + max(cfg.balance_slack_pages, cfg.balance_ratio * lowest)
-    eligible = [v for v in views if backlog(v) <= limit]
+    eligible = [v for v in views if load(v) <= limit]
 
     def cost(v: WorkerView):
         prefill = cfg.prefill_weight * (prompt_pages - v.prefix_pages)
