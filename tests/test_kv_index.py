@@ -108,6 +108,8 @@ def test_a_publisher_keeps_kvcache_s_index_and_rebuilds_it_after_kvcache_restart
         publisher.after_step()
         await until(lambda: _eq(kv.lookup(hashes_b), {"w": 2}))
         [stats] = (await kv.stub.Stats(kvcache_pb2.StatsRequest())).workers
+        # Every worker's room (pages no request holds), holder of the prompt looked up or not.
+        unheld = await kv.stub.Lookup(kvcache_pb2.LookupRequest(hashes=prefix_hashes(list(range(900, 917)), 16)))
         mirror = await kv.redis.hgetall(prefix_key("w"))
 
         await kv.restart()  # an empty kvcache on the same port: the next change is answered `resync`
@@ -121,10 +123,11 @@ def test_a_publisher_keeps_kvcache_s_index_and_rebuilds_it_after_kvcache_restart
         await sender
         forgotten = await kv.lookup(hashes_a), await kv.redis.exists(prefix_key("w"))
         await kv.stop()
-        return stats, mirror, rebuilt, forgotten
+        return stats, unheld, mirror, rebuilt, forgotten
 
-    stats, mirror, (lookup_b, after), (lookup_a, mirrored) = asyncio.run(run())
+    stats, unheld, mirror, (lookup_b, after), (lookup_a, mirrored) = asyncio.run(run())
     assert (stats.used_pages, stats.cached_pages, stats.indexed_pages) == (3, 5, 7)  # b holds 3 pages, a's 5 cached
+    assert list(unheld.workers) == [] and dict(unheld.room_pages) == {"w": 61}  # 56 free, 5 cached
     assert len(mirror) == 7 and set(mirror.values()) == {b"1"}  # field: page hash, value: the worker's epoch
     assert lookup_b == {"w": 2} and (after.used_pages, after.cached_pages, after.indexed_pages) == (0, 7, 7)
     assert lookup_a == {} and mirrored == 0  # the loop's end forgets the worker, in Redis too

@@ -27,6 +27,23 @@ def test_a_prefix_still_queued_on_a_worker_does_not_count_against_it_for_a_reque
     assert choose_worker(19, [WorkerView("a", 0, 0, 0), WorkerView("b", 18, 60, 40, 18)], CFG).worker_id == "a"
 
 
+def test_a_cached_prefix_spreads_to_a_worker_with_room_for_it_and_stays_while_none_has():
+    # b holds the 18-page prefix cached, 40 pages of work above a. Where a has 19 pages no request
+    # holds, a copy there costs nothing a request needs: the guard spreads it, as above. Where a
+    # has 10 (its pool is taken by its own requests), the copy would take their pages, so b keeps
+    # the prompt until its load exceeds a's by the prefix plus the slack (18 + 32 pages).
+    roomy, crowded = WorkerView("a", 0, 0, 0, 0, 19), WorkerView("a", 0, 0, 0, 0, 10)
+    assert choose_worker(19, [roomy, WorkerView("b", 18, 40, 40, 0, 0)], CFG).worker_id == "a"
+    assert choose_worker(19, [crowded, WorkerView("b", 18, 40, 40, 0, 0)], CFG).worker_id == "b"
+    assert choose_worker(19, [crowded, WorkerView("b", 18, 50, 40, 0, 0)], CFG).worker_id == "b"
+    assert choose_worker(19, [crowded, WorkerView("b", 18, 51, 40, 0, 0)], CFG).worker_id == "a"
+    # Room is counted against the pages a worker lacks: c holds 10 of the 18 and has room for the rest.
+    c = WorkerView("c", 10, 0, 20, 0, 9)
+    assert choose_worker(19, [crowded, c, WorkerView("b", 18, 40, 40, 0, 0)], CFG).worker_id == "c"
+    # The holder's own room does not count for it: with a crowded, b still keeps it.
+    assert choose_worker(19, [crowded, WorkerView("b", 18, 40, 40, 0, 500)], CFG).worker_id == "b"
+
+
 def test_the_guard_grows_with_load():
     # Lowest load 100: b may be up to 50 pages (balance_ratio 0.5) above it.
     views = [WorkerView("a", 0, 100, 0), WorkerView("b", 18, 145, 40)]
@@ -113,6 +130,19 @@ def test_a_queued_prompts_pages_count_as_held_until_its_last_request_using_them_
     assert loop.queued_hashes == {} and loop.local_prefix_pages(shared + b) == 0
 
 
+def test_a_workers_room_is_its_pages_no_request_holds():
+    """Placement's room for a copy of a prefix: free pages and cached ones no request holds
+    (evicting those takes nothing a request needs); a running request's pages are not room."""
+    loop = worker_loop(num_pages=64)
+    tokens = list(range(100, 180))  # 5 full pages
+    loop.pool.open("a", loop.pool.match_prefix(tokens))
+    loop.pool.grow("a", len(tokens))
+    loop.pool.commit("a", tokens, len(tokens))
+    assert loop.view([]).room_pages == 59
+    loop.pool.release("a")  # cached, unreferenced
+    assert loop.view([]).room_pages == 64
+
+
 def test_kvcache_is_asked_for_a_prompts_pages_only_when_a_peer_worker_could_send_them():
     """A submit whose prompt the worker would compute asks kvcache's index which peer holds it
     (to fetch instead); with no other worker of the pool and version registered (one worker, the
@@ -155,6 +185,21 @@ def test_kvcache_is_asked_for_a_prompts_pages_only_when_a_peer_worker_could_send
             await server.stop(0)
 
     asyncio.run(run())
+
+
+def test_the_router_keeps_a_cached_prefix_on_its_scheduler_while_no_other_has_room_for_it():
+    """Among schedulers the guard reads each scheduler's room from the lookup (its roomiest
+    worker's pages no request holds): a scheduler whose workers' pools are taken by their own
+    requests is not sent a copy of another's hot prefix; one with room, or one kvcache has not
+    heard from (room unknown), is."""
+    from kvmesh.services.router.prefix_routing import SchedulerChoice
+
+    hashes = [bytes([i]) for i in range(19)]
+    choice = SchedulerChoice()
+    running = [choice.start("A", [b"own"], 16 * 40, 0)]  # A's 40 pages of other work
+    assert running and choice.choose(["A", "B"], hashes, {"A": 18}, 16, {"A": 0, "B": 10}) == ("A", 18)
+    assert choice.choose(["A", "B"], hashes, {"A": 18}, 16, {"A": 0, "B": 19}) == ("B", 0)
+    assert choice.choose(["A", "B"], hashes, {"A": 18}, 16, {"A": 0}) == ("B", 0)
 
 
 def test_the_routers_in_flight_prefixes_lead_followers_and_leave_with_their_requests():

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/kvcache.proto\x12\tkvmesh.v1\"8\n\nPageCounts\x12\x0c\n\x04used\x18\x01 \x01(\r\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\r\"\xe6\x01\n\x0ePublishRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x13\n\x0blease_token\x18\x05 \x01(\x04\x12\x0e\n\x06stored\x18\x06 \x03(\x0c\x12\x0f\n\x07\x65victed\x18\x07 \x03(\x0c\x12\x0c\n\x04\x66ull\x18\x08 \x01(\x08\x12\x0e\n\x06\x66orget\x18\t \x01(\x08\x12$\n\x05pages\x18\n \x01(\x0b\x32\x15.kvmesh.v1.PageCounts\x12\x12\n\ntier_pages\x18\x0b \x01(\r\"!\n\x0fPublishResponse\x12\x0e\n\x06resync\x18\x01 \x01(\x08\"\x1f\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"?\n\x0cWorkerPrefix\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\":\n\x0eLookupResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.WorkerPrefix\"\x0e\n\x0cStatsRequest\"\x8a\x01\n\x0bWorkerPages\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x12\n\nused_pages\x18\x04 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\r\x12\x15\n\rindexed_pages\x18\x06 \x01(\r\"8\n\rStatsResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerPages2\xc6\x01\n\x07KVCache\x12@\n\x07Publish\x12\x19.kvmesh.v1.PublishRequest\x1a\x1a.kvmesh.v1.PublishResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/kvcache.proto\x12\tkvmesh.v1\"8\n\nPageCounts\x12\x0c\n\x04used\x18\x01 \x01(\r\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\r\"\xe6\x01\n\x0ePublishRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x13\n\x0blease_token\x18\x05 \x01(\x04\x12\x0e\n\x06stored\x18\x06 \x03(\x0c\x12\x0f\n\x07\x65victed\x18\x07 \x03(\x0c\x12\x0c\n\x04\x66ull\x18\x08 \x01(\x08\x12\x0e\n\x06\x66orget\x18\t \x01(\x08\x12$\n\x05pages\x18\n \x01(\x0b\x32\x15.kvmesh.v1.PageCounts\x12\x12\n\ntier_pages\x18\x0b \x01(\r\"!\n\x0fPublishResponse\x12\x0e\n\x06resync\x18\x01 \x01(\x08\"\x1f\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"?\n\x0cWorkerPrefix\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\xaa\x01\n\x0eLookupResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.WorkerPrefix\x12<\n\nroom_pages\x18\x02 \x03(\x0b\x32(.kvmesh.v1.LookupResponse.RoomPagesEntry\x1a\x30\n\x0eRoomPagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x0e\n\x0cStatsRequest\"\x8a\x01\n\x0bWorkerPages\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x12\n\nused_pages\x18\x04 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\r\x12\x15\n\rindexed_pages\x18\x06 \x01(\r\"8\n\rStatsResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerPages2\xc6\x01\n\x07KVCache\x12@\n\x07Publish\x12\x19.kvmesh.v1.PublishRequest\x1a\x1a.kvmesh.v1.PublishResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.kvcache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_LOOKUPRESPONSE_ROOMPAGESENTRY']._loaded_options = None
+  _globals['_LOOKUPRESPONSE_ROOMPAGESENTRY']._serialized_options = b'8\001'
   _globals['_PAGECOUNTS']._serialized_start=38
   _globals['_PAGECOUNTS']._serialized_end=94
   _globals['_PUBLISHREQUEST']._serialized_start=97
@@ -41,14 +43,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_end=395
   _globals['_WORKERPREFIX']._serialized_start=397
   _globals['_WORKERPREFIX']._serialized_end=460
-  _globals['_LOOKUPRESPONSE']._serialized_start=462
-  _globals['_LOOKUPRESPONSE']._serialized_end=520
-  _globals['_STATSREQUEST']._serialized_start=522
-  _globals['_STATSREQUEST']._serialized_end=536
-  _globals['_WORKERPAGES']._serialized_start=539
-  _globals['_WORKERPAGES']._serialized_end=677
-  _globals['_STATSRESPONSE']._serialized_start=679
-  _globals['_STATSRESPONSE']._serialized_end=735
-  _globals['_KVCACHE']._serialized_start=738
-  _globals['_KVCACHE']._serialized_end=936
+  _globals['_LOOKUPRESPONSE']._serialized_start=463
+  _globals['_LOOKUPRESPONSE']._serialized_end=633
+  _globals['_LOOKUPRESPONSE_ROOMPAGESENTRY']._serialized_start=585
+  _globals['_LOOKUPRESPONSE_ROOMPAGESENTRY']._serialized_end=633
+  _globals['_STATSREQUEST']._serialized_start=635
+  _globals['_STATSREQUEST']._serialized_end=649
+  _globals['_WORKERPAGES']._serialized_start=652
+  _globals['_WORKERPAGES']._serialized_end=790
+  _globals['_STATSRESPONSE']._serialized_start=792
+  _globals['_STATSRESPONSE']._serialized_end=848
+  _globals['_KVCACHE']._serialized_start=851
+  _globals['_KVCACHE']._serialized_end=1049
 # @@protoc_insertion_point(module_scope)

@@ -65,10 +65,19 @@ class WorkerPrefix(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., pages: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "room_pages")
+    class RoomPagesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ROOM_PAGES_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerPrefix]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerPrefix, _Mapping]]] = ...) -> None: ...
+    room_pages: _containers.ScalarMap[str, int]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerPrefix, _Mapping]]] = ..., room_pages: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

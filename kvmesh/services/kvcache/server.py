@@ -117,13 +117,14 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         with self.tracer.start_as_current_span(
                 "kvmesh.kv.lookup", context=telemetry.context_from_metadata(context.invocation_metadata()),
                 attributes={"kvmesh.prompt_pages": len(hashes)}) as span:
-            found = []
+            found, room = [], {}
             for worker_id, index in sorted(self.workers.items()):
                 n = index.leading(hashes)
                 if n:
                     found.append(kvcache_pb2.WorkerPrefix(worker_id=worker_id, pages=n, epoch=index.epoch))
+                room[worker_id] = index.pages.free + index.pages.cached
             span.set_attribute("kvmesh.best_prefix_pages", max((w.pages for w in found), default=0))
-        return kvcache_pb2.LookupResponse(workers=found)
+        return kvcache_pb2.LookupResponse(workers=found, room_pages=room)
 
     async def _unregistered(self, request) -> str | None:
         """Why a new epoch's pool is not created, or None: the worker's live registry record must

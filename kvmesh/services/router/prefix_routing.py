@@ -52,15 +52,18 @@ class SchedulerChoice:
         self.in_flight: dict[str, InFlight] = {}
         self.sent: Counter = Counter()  # address -> requests sent there: the tie-break
 
-    def choose(self, addresses: list[str], hashes: list[bytes], held: dict[str, int], page_size: int) -> tuple[str, int]:
+    def choose(self, addresses: list[str], hashes: list[bytes], held: dict[str, int], page_size: int,
+               room: dict[str, int] | None = None) -> tuple[str, int]:
         """(address, prefix pages it holds) of the cheapest scheduler for a prompt with page
-        `hashes`; `held`: address -> leading pages its workers hold, from the lookup."""
+        `hashes`; from the lookup, `held`: address -> leading pages its workers hold, `room`:
+        address -> the most pages no request holds on one of its workers (unknown: room enough)."""
+        room = room or {}
         views = []
         for address in addresses:
             mine = self.in_flight.get(address) or InFlight()
             cached, sent = held.get(address, 0), leading(mine.hashes, hashes)
             views.append(WorkerView(address, max(cached, sent), mine.tokens / page_size, self.sent[address],
-                                    max(0, sent - cached)))
+                                    max(0, sent - cached), room.get(address, float("inf"))))
         best = choose_worker(len(hashes), views, self.cfg)
         return best.worker_id, best.prefix_pages
 

@@ -376,32 +376,37 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         if self.cfg.scheduler_choice != "kv" or len(addresses) < 2 or not pool.page_size:
             return pool.next_scheduler(), None
         hashes = prefix_hashes(list(submit.prompt_token_ids), pool.page_size)
-        held = await self._prefix_holders(pool, hashes, span) if hashes else {}
-        address, prefix = self.choice.choose(addresses, hashes, held, pool.page_size)
+        held, room = await self._prefix_holders(pool, hashes, span) if hashes else ({}, {})
+        address, prefix = self.choice.choose(addresses, hashes, held, pool.page_size, room)
         span.set_attributes({"kvmesh.scheduler": address, "kvmesh.routed_prefix_pages": prefix})
         prompt = max(1, len(submit.prompt_token_ids) - prefix * pool.page_size)
         return pool.scheduler_at(address), self.choice.start(address, hashes, prompt, choices * submit.stopping.max_new_tokens)
 
-    async def _prefix_holders(self, pool: Pool, hashes: list[bytes], span) -> dict[str, int]:
-        """Scheduler address -> the most leading pages of `hashes` one of its workers holds at its
-        live epoch, from kvcache's prefix index; {} when kvcache cannot answer in time."""
+    async def _prefix_holders(self, pool: Pool, hashes: list[bytes], span) -> tuple[dict[str, int], dict[str, int]]:
+        """Per scheduler address, from kvcache's prefix index: the most leading pages of `hashes`
+        one of its workers holds at its live epoch, and the most room (pages no request holds) one
+        of its workers has; ({}, {}) when kvcache cannot answer in time."""
         if self.kvcache is None:
             self._lookup_outcome(pool, span, "unavailable")
-            return {}
+            return {}, {}
         try:
             found = await self.kvcache.Lookup(kvcache_pb2.LookupRequest(hashes=hashes), timeout=LOOKUP_TIMEOUT_S,
                                               metadata=telemetry.metadata_with_context(span))
         except grpc.aio.AioRpcError as e:
             self._lookup_outcome(pool, span, "unavailable")
             log.debug("prefix lookup failed (%s): routing by load", e.code().name)
-            return {}
+            return {}, {}
         held: dict[str, int] = {}
         for w in found.workers:
             owner, epoch = pool.owners.get(w.worker_id, (None, None))
             if owner is not None and epoch == w.epoch:
                 held[owner] = max(held.get(owner, 0), w.pages)
+        room: dict[str, int] = {}
+        for worker_id, pages in found.room_pages.items():
+            if (owner := pool.owners.get(worker_id, (None, None))[0]) is not None:
+                room[owner] = max(room.get(owner, 0), pages)
         self._lookup_outcome(pool, span, "hit" if held else "miss")
-        return held
+        return held, room
 
     def _lookup_outcome(self, pool: Pool, span, outcome: str) -> None:
         """Counted, and on the request's span: a trace shows whether kvcache answered in time."""

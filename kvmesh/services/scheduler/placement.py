@@ -8,11 +8,18 @@ already queued there (so a burst of requests with a new shared prefix follows th
 Balance guard: only workers whose load is within max(balance_slack_pages, balance_ratio *
 lowest load) of the least loaded worker are candidates, so one hot prefix (a shared system
 prompt) cannot pile every request on one worker while the others idle. A worker's load here
-leaves out the prompt pages this request shares that are still queued there (a prompt arrived
-just before it, not computed yet): that prefill is work the request needs wherever it goes, so a
-burst of requests with a new system prompt stays with the worker computing it instead of
-computing it again on every worker it would spill to. Pages already cached get no such credit,
-so a hot cached prefix spreads. Ties go to the worker holding fewer pages, then by id.
+leaves out the prompt pages this request shares that going elsewhere would cost something:
+- those still queued there (a prompt arrived just before it, not computed yet): that prefill is
+  work the request needs wherever it goes, so a burst of requests with a new system prompt stays
+  with the worker computing it instead of computing it again on every worker it would spill to;
+- those cached there, when no other worker has room for them: a worker that lacks pages of the
+  prompt takes them (fetched or computed) into pages no request holds (free, or cached and
+  unreferenced: evicted), and where it has fewer of those than it lacks, a replica of the prefix
+  would take pages running requests need (preemptions, and the other prefixes it holds evicted and
+  computed again: a pool that fits two system prompts thrashes holding three).
+A hot cached prefix therefore spreads over workers with room to spare, and stays with its holder
+until its load exceeds the others' by the prefix plus the slack when none has. Ties go to the
+worker holding fewer pages, then by id.
 """
 
 from __future__ import annotations
@@ -43,12 +50,19 @@ class WorkerView:
     load_pages: float
     held_pages: int  # pages in use or cached
     queued_prefix_pages: int = 0  # of prefix_pages, those a queued prompt will compute (not cached yet)
+    room_pages: float = float("inf")  # pages no request holds (free, or cached and unreferenced); inf: unknown
 
 
 def choose_worker(prompt_pages: int, views: list[WorkerView], cfg: PlacementConfig) -> WorkerView:
     """The cheapest eligible worker for a prompt of `prompt_pages` full pages; `views` non-empty."""
+    # Workers with room for the pages of the prompt they lack: a cached prefix can spread to them.
+    roomy = [v for v in views if v.room_pages >= prompt_pages - v.prefix_pages]
+
     def load(v: WorkerView) -> float:
-        return v.load_pages - v.queued_prefix_pages
+        credit = v.queued_prefix_pages
+        if not roomy or (len(roomy) == 1 and roomy[0] is v):  # no other worker could take its cached prefix pages without evicting
+            credit = v.prefix_pages
+        return v.load_pages - credit
 
     lowest = min(load(v) for v in views)
     limit = lowest + max(cfg.balance_slack_pages, cfg.balance_ratio * lowest)

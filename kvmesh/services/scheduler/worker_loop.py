@@ -168,7 +168,7 @@ class WorkerLoop:
         """What placement needs to know about this worker for a prompt with these page hashes."""
         stats = self.pool.stats()
         return WorkerView(self.worker_id, self.prefix_pages(hashes), self.queued_tokens() / self.pool.page_size,
-                          stats.used + stats.cached, self.queued_prefix_pages(hashes))
+                          stats.used + stats.cached, self.queued_prefix_pages(hashes), stats.free + stats.cached)
 
     def prefix_pages(self, hashes: list[bytes]) -> int:
         """Leading pages of the prompt this worker holds, will hold (a queued prompt's) or has in its
