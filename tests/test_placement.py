@@ -27,21 +27,24 @@ def test_a_prefix_still_queued_on_a_worker_does_not_count_against_it_for_a_reque
     assert choose_worker(19, [WorkerView("a", 0, 0, 0), WorkerView("b", 18, 60, 40, 18)], CFG).worker_id == "a"
 
 
-def test_a_cached_prefix_spreads_to_a_worker_with_room_for_it_and_stays_while_none_has():
-    # b holds the 18-page prefix cached, 40 pages of work above a. Where a has 19 pages no request
-    # holds, a copy there costs nothing a request needs: the guard spreads it, as above. Where a
-    # has 10 (its pool is taken by its own requests), the copy would take their pages, so b keeps
-    # the prompt until its load exceeds a's by the prefix plus the slack (18 + 32 pages).
+def test_a_worker_without_room_for_the_pages_it_lacks_counts_them_as_load():
+    # b holds the 18-page prefix cached and has 40 pages of work more than a. A copy on a goes into
+    # pages no request holds there (free, or cached and unreferenced): with 19 of those, a takes
+    # it at no cost to its requests and the guard spreads the prefix, as above. With 10, the other
+    # 9 would come from a's running requests: they count as a's load, so b (which lacks 1 page and
+    # has room for it) keeps the prompt until it is more than 9 + 32 pages ahead.
     roomy, crowded = WorkerView("a", 0, 0, 0, 0, 19), WorkerView("a", 0, 0, 0, 0, 10)
-    assert choose_worker(19, [roomy, WorkerView("b", 18, 40, 40, 0, 0)], CFG).worker_id == "a"
-    assert choose_worker(19, [crowded, WorkerView("b", 18, 40, 40, 0, 0)], CFG).worker_id == "b"
-    assert choose_worker(19, [crowded, WorkerView("b", 18, 50, 40, 0, 0)], CFG).worker_id == "b"
-    assert choose_worker(19, [crowded, WorkerView("b", 18, 51, 40, 0, 0)], CFG).worker_id == "a"
+    b = lambda load: WorkerView("b", 18, load, 40, 0, 100)  # noqa: E731
+    assert choose_worker(19, [roomy, b(40)], CFG).worker_id == "a"
+    assert choose_worker(19, [crowded, b(40)], CFG).worker_id == "b"
+    assert choose_worker(19, [crowded, b(41)], CFG).worker_id == "b"
+    assert choose_worker(19, [crowded, b(42)], CFG).worker_id == "a"
     # Room is counted against the pages a worker lacks: c holds 10 of the 18 and has room for the rest.
     c = WorkerView("c", 10, 0, 20, 0, 9)
-    assert choose_worker(19, [crowded, c, WorkerView("b", 18, 40, 40, 0, 0)], CFG).worker_id == "c"
-    # The holder's own room does not count for it: with a crowded, b still keeps it.
-    assert choose_worker(19, [crowded, WorkerView("b", 18, 40, 40, 0, 500)], CFG).worker_id == "b"
+    assert choose_worker(19, [crowded, c, b(40)], CFG).worker_id == "c"
+    # Spilling, it goes to a worker with room before an idler one without: d has 10 pages of work.
+    d = WorkerView("d", 0, 10, 20, 0, 19)
+    assert choose_worker(19, [crowded, d, b(60)], CFG).worker_id == "d"
 
 
 def test_the_guard_grows_with_load():

@@ -1,25 +1,27 @@
 """Which worker a new request goes to: KV-aware cost with a balance guard.
 
-cost(worker) = prefill_weight * (prompt pages the worker would still have to prefill)
+cost(worker) = prefill_weight * (prompt pages the worker would still have to prefill, plus those
+                                 of them it has no room for: see below)
              + load_weight * (the worker's load, in pages of work: tokens still to compute or
                               generate for its queued and running requests / page size)
 A worker "holds" a prompt page when the page is in its prefix index or belongs to a prompt
 already queued there (so a burst of requests with a new shared prefix follows the first one).
 Balance guard: only workers whose load is within max(balance_slack_pages, balance_ratio *
 lowest load) of the least loaded worker are candidates, so one hot prefix (a shared system
-prompt) cannot pile every request on one worker while the others idle. A worker's load here
-leaves out the prompt pages this request shares that going elsewhere would cost something:
-- those still queued there (a prompt arrived just before it, not computed yet): that prefill is
-  work the request needs wherever it goes, so a burst of requests with a new system prompt stays
-  with the worker computing it instead of computing it again on every worker it would spill to;
-- those cached there, when no other worker has room for them: a worker that lacks pages of the
-  prompt takes them (fetched or computed) into pages no request holds (free, or cached and
-  unreferenced: evicted), and where it has fewer of those than it lacks, a replica of the prefix
-  would take pages running requests need (preemptions, and the other prefixes it holds evicted and
-  computed again: a pool that fits two system prompts thrashes holding three).
-A hot cached prefix therefore spreads over workers with room to spare, and stays with its holder
-until its load exceeds the others' by the prefix plus the slack when none has. Ties go to the
-worker holding fewer pages, then by id.
+prompt) cannot pile every request on one worker while the others idle. For the guard:
+- a worker's load leaves out the prompt pages this request shares that are still queued there (a
+  prompt arrived just before it, not computed yet): that prefill is work the request needs
+  wherever it goes, so a burst of requests with a new system prompt stays with the worker
+  computing it instead of computing it again on every worker it would spill to;
+- a worker's load counts the prompt pages it lacks and has no room for. A worker takes the pages
+  of the prompt it lacks (fetched from the holder, or computed) into pages no request holds: free
+  ones, or cached ones nobody references, which it evicts (`room_pages`). Pages beyond those come
+  from its running requests (preemptions, and the prefixes it holds evicted and computed again:
+  a pool with room for two system prompts beside its requests thrashes holding three).
+So a hot cached prefix spreads to workers with room for it once its holder is past the slack,
+and to a worker without room only once the holder is further ahead by what that worker lacks
+room for; the cost counts those pages too, as pages to compute. Ties go to the worker holding
+fewer pages, then by id.
 """
 
 from __future__ import annotations
@@ -55,21 +57,18 @@ class WorkerView:
 
 def choose_worker(prompt_pages: int, views: list[WorkerView], cfg: PlacementConfig) -> WorkerView:
     """The cheapest eligible worker for a prompt of `prompt_pages` full pages; `views` non-empty."""
-    # Workers with room for the pages of the prompt they lack: a cached prefix can spread to them.
-    roomy = [v for v in views if v.room_pages >= prompt_pages - v.prefix_pages]
+    def short(v: WorkerView) -> float:  # pages of the prompt it lacks and has no room for
+        return max(0.0, prompt_pages - v.prefix_pages - v.room_pages)
 
     def load(v: WorkerView) -> float:
-        credit = v.queued_prefix_pages
-        if not roomy or (len(roomy) == 1 and roomy[0] is v):  # no other worker could take its cached prefix pages without evicting
-            credit = v.prefix_pages
-        return v.load_pages - credit
+        return v.load_pages - v.queued_prefix_pages + short(v)
 
     lowest = min(load(v) for v in views)
     limit = lowest + max(cfg.balance_slack_pages, cfg.balance_ratio * lowest)
     eligible = [v for v in views if load(v) <= limit]
 
     def cost(v: WorkerView):
-        prefill = cfg.prefill_weight * (prompt_pages - v.prefix_pages)
+        prefill = cfg.prefill_weight * (prompt_pages - v.prefix_pages + short(v))
         return (prefill + cfg.load_weight * v.load_pages, v.held_pages, v.worker_id)
 
     return min(eligible, key=cost)
