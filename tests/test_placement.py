@@ -190,17 +190,18 @@ def test_kvcache_is_asked_for_a_prompts_pages_only_when_a_peer_worker_could_send
     asyncio.run(run())
 
 
-def test_the_router_keeps_a_cached_prefix_on_its_scheduler_while_no_other_has_room_for_it():
+def test_the_router_counts_the_prompt_pages_a_scheduler_has_no_room_for_as_its_load():
     """Among schedulers the guard reads each scheduler's room from the lookup (its roomiest
-    worker's pages no request holds): a scheduler whose workers' pools are taken by their own
-    requests is not sent a copy of another's hot prefix; one with room, or one kvcache has not
-    heard from (room unknown), is."""
+    worker's pages no request holds): A holds the prompt's 18 cached pages and has 40 pages of
+    work more than B. B, with room for 10 of the 19 pages it lacks, counts the other 9 as load and
+    is within the 32-page slack of A: A keeps the prompt. B with room for all 19, or one kvcache
+    has not heard from (room unknown), takes it."""
     from kvmesh.services.router.prefix_routing import SchedulerChoice
 
     hashes = [bytes([i]) for i in range(19)]
-    choice = SchedulerChoice()
-    running = [choice.start("A", [b"own"], 16 * 40, 0)]  # A's 40 pages of other work
-    assert running and choice.choose(["A", "B"], hashes, {"A": 18}, 16, {"A": 0, "B": 10}) == ("A", 18)
+    choice = SchedulerChoice(PlacementConfig(balance_slack_pages=32))
+    choice.start("A", [b"own"], 16 * 40, 0)  # A's 40 pages of other work
+    assert choice.choose(["A", "B"], hashes, {"A": 18}, 16, {"A": 0, "B": 10}) == ("A", 18)
     assert choice.choose(["A", "B"], hashes, {"A": 18}, 16, {"A": 0, "B": 19}) == ("B", 0)
     assert choice.choose(["A", "B"], hashes, {"A": 18}, 16, {"A": 0}) == ("B", 0)
 
