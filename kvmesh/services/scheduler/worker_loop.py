@@ -167,18 +167,16 @@ class WorkerLoop:
     def view(self, hashes: list[bytes]) -> WorkerView:
         """What placement needs to know about this worker for a prompt with these page hashes."""
         stats = self.pool.stats()
-        return WorkerView(self.worker_id, self.prefix_pages(hashes), self.queued_tokens() / self.pool.page_size,
-                          stats.used + stats.cached, self.queued_prefix_pages(hashes), stats.free + stats.cached)
+        local = self.local_prefix_pages(hashes)
+        queued = local - leading_run(hashes, 0, self.pool.index.__contains__)  # a queued prompt's, not cached yet
+        return WorkerView(self.worker_id, local + self.tier_run(hashes, local), self.queued_tokens() / self.pool.page_size,
+                          stats.used + stats.cached, queued, stats.free + stats.cached)
 
     def prefix_pages(self, hashes: list[bytes]) -> int:
         """Leading pages of the prompt this worker holds, will hold (a queued prompt's) or has in its
         tier (reading them back costs little)."""
         local = self.local_prefix_pages(hashes)
         return local + self.tier_run(hashes, local)
-
-    def queued_prefix_pages(self, hashes: list[bytes]) -> int:
-        """Of the leading pages local_prefix_pages counts, those a queued prompt will compute (not cached yet)."""
-        return self.local_prefix_pages(hashes) - leading_run(hashes, 0, self.pool.index.__contains__)
 
     def queued_tokens(self) -> int:
         """`estimated_tokens` summed over its requests: summed again after a step or a removal, and
