@@ -120,11 +120,32 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         chosen = choose_worker(len(hashes), [w.view(hashes) for w in alive], self.placement)
         return self.workers[chosen.worker_id]
 
-    async def plan_fetch(self, worker: WorkerLoop, hashes: list[bytes]) -> Fetch | None:
+    async def peer_pages(self, worker: WorkerLoop, hashes: list[bytes]) -> kvcache_pb2.LookupResponse | None:
+        """kvcache's index for a prompt `worker` would compute much of: how many of its leading
+        pages each worker of the cluster holds (empty when kvcache did not answer in time). None,
+        without asking, when nothing could be fetched: fetching is off, the worker holds or has in
+        its tier all but a few pages, or no peer of its pool and version is registered (one
+        worker, the usual `kvmesh up`: the submit then waits on no round trip)."""
+        if not self.cfg.prefix_caching or self.cfg.kv_fetch == "never":
+            return None
+        local = worker.local_prefix_pages(hashes)
+        if len(hashes) - local < MIN_FETCH_PAGES or local + worker.tier_run(hashes, local) >= len(hashes):
+            return None
+        stub = self._kvcache_stub
+        peers = any(wid != worker.worker_id and r.get("version", "v1") == worker.version
+                    for wid, r in self.worker_records.items())
+        if stub is None or not peers:
+            return None
+        try:
+            return await stub.Lookup(kvcache_pb2.LookupRequest(hashes=hashes), timeout=FETCH_LOOKUP_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return kvcache_pb2.LookupResponse()
+
+    def plan_fetch(self, worker: WorkerLoop, hashes: list[bytes], holders: kvcache_pb2.LookupResponse | None) -> Fetch | None:
         """Where to read the pages of a prompt that `worker` would otherwise compute: its own tier,
-        or the peer worker (same pool and version, any scheduler's; found through kvcache's
-        index) holding the longest run past what the worker holds. None when nothing is held
-        elsewhere, too little, or reading it would not beat computing it (`fetch_pays`)."""
+        or the peer worker (same pool and version, any scheduler's; `holders`, from `peer_pages`)
+        holding the longest run past what the worker holds. None when nothing is held elsewhere,
+        too little, or reading it would not beat computing it (`fetch_pays`)."""
         if not self.cfg.prefix_caching or self.cfg.kv_fetch == "never":
             return None
         local = worker.local_prefix_pages(hashes)
@@ -133,23 +154,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         best = None
         if tiered := worker.tier_run(hashes, local):
             best = Fetch("", "tier", local, hashes[local : local + tiered])
-        stub = self._kvcache_stub
-        # Only a peer of the same pool and version can be read from: with none registered (one
-        # worker, the usual `kvmesh up`), kvcache is not asked, and the submit waits on no round trip.
-        peers = any(wid != worker.worker_id and r.get("version", "v1") == worker.version
-                    for wid, r in self.worker_records.items())
-        if stub is not None and peers and local + tiered < len(hashes):
-            try:
-                answer = await stub.Lookup(kvcache_pb2.LookupRequest(hashes=hashes), timeout=FETCH_LOOKUP_TIMEOUT_S)
-            except grpc.aio.AioRpcError:
-                answer = kvcache_pb2.LookupResponse()
-            for held in answer.workers:
-                record = self.worker_records.get(held.worker_id)
-                if (held.worker_id == worker.worker_id or record is None or record.get("epoch") != held.epoch
-                        or record.get("version", "v1") != worker.version):
-                    continue
-                if held.pages > local + (len(best.hashes) if best else 0):
-                    best = Fetch(record["address"], "peer", local, hashes[local : held.pages])
+        for held in holders.workers if holders is not None else ():
+            record = self.worker_records.get(held.worker_id)
+            if (held.worker_id == worker.worker_id or record is None or record.get("epoch") != held.epoch
+                    or record.get("version", "v1") != worker.version):
+                continue
+            if held.pages > local + (len(best.hashes) if best else 0):
+                best = Fetch(record["address"], "peer", local, hashes[local : held.pages])
         if best is None or len(best.hashes) < MIN_FETCH_PAGES:
             return None
         return best if self.cfg.kv_fetch == "always" or worker.fetch_pays(len(best.hashes)) else None
@@ -223,6 +234,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         worker = self.pick_worker(hashes, request.version)
         if worker is None:  # the one found above left meanwhile
             await self._no_worker(request, context, span)
+        holders = await self.peer_pages(worker, hashes)
+        if holders is not None and (self.placement.policy == "kv" or not worker.alive or worker.draining):
+            # Submits placed while kvcache answered are on their workers now (a burst's first
+            # requests would otherwise all go where the idle cluster they saw put them): choose
+            # again, with nothing awaited from here to the submit. Round-robin keeps its turn
+            # unless that worker left meanwhile.
+            worker = self.pick_worker(hashes, request.version)
+            if worker is None:
+                await self._no_worker(request, context, span)
         try:  # a request that can never fit is a bad request, whatever the load
             worker.core.check_fits(req)
         except InvalidRequest as e:
@@ -232,11 +252,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._refuse_for_load(context, span, f"overloaded: a request queued now would wait about {wait_s:.0f} s "
                                         f"to start, over what max_queue_wait_s={self.cfg.max_queue_wait_s:g} allows", retry_s)
         req.eos_token_ids = tuple(worker.info.eos_token_ids)
-        fetch = await self.plan_fetch(worker, hashes)
-        if not worker.alive or worker.draining:  # it left while kvcache answered
-            fetch, worker = None, self.pick_worker(hashes, request.version)
-            if worker is None:
-                await self._no_worker(request, context, span)
+        fetch = self.plan_fetch(worker, hashes, holders)
         if (earlier := self.held.get(req.request_id)) is not None:
             if earlier.finish is None:
                 await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT,
