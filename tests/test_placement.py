@@ -116,6 +116,37 @@ def test_a_workers_queued_tokens_follow_submits_steps_and_cancels_without_summin
     assert "r3" not in loop.core.requests and loop.queued_tokens() == full()
 
 
+def test_a_request_fetching_its_prefix_counts_in_its_workers_load_from_its_submit():
+    """A request whose prompt pages are being fetched is queued only once they arrive, but it is
+    the worker's work from its submit: a burst placed meanwhile sees it (its tokens past the
+    fetched pages and its outputs), until it ends."""
+    from kvmesh.params import SamplingParams, StoppingParams
+    from kvmesh.services.scheduler.request import Request
+    from kvmesh.services.scheduler.worker_loop import Fetch
+
+    async def run():
+        loop, asked = worker_loop(), asyncio.Event()
+
+        class Peer:  # a fetch that stays out
+            async def FetchPages(self, request, timeout, metadata):
+                asked.set()
+                await asyncio.Event().wait()
+
+        loop.stub = Peer()
+        hashes = [bytes([i]) for i in range(8)]
+        req = Request("r", [5] * (16 * 8 + 4), SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=10))
+        assert loop.queued_tokens() == 0
+        loop.submit(req, hashes, 8, fetch=Fetch("peer:1", "peer", 0, hashes))
+        assert loop.queued_tokens() == 4 + 10
+        await asked.wait()
+        loop._load_epoch += 1  # summed again (as after a step): the same
+        assert "r" not in loop.core.requests and loop.queued_tokens() == 4 + 10
+        loop.done("r", hashes, finished=False)
+        assert loop.queued_tokens() == 0
+
+    asyncio.run(run())
+
+
 def test_a_queued_prompts_pages_count_as_held_until_its_last_request_using_them_ends():
     """Placement counts the pages of prompts queued on a worker as held (they will be computed
     there); two requests sharing a prefix keep it until both have ended."""

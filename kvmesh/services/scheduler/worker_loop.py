@@ -179,10 +179,13 @@ class WorkerLoop:
         return local + self.tier_run(hashes, local)
 
     def queued_tokens(self) -> int:
-        """`estimated_tokens` summed over its requests: summed again after a step or a removal, and
-        kept up by each submit in between, so a burst of n submits costs O(n), not O(n^2)."""
+        """`estimated_tokens` summed over its requests, queued or still fetching pages (a request
+        whose fetch is out is this worker's work too: a burst placed meanwhile must see it): summed
+        again after a step or a removal, and kept up by each submit in between, so a burst of n
+        submits costs O(n), not O(n^2)."""
         if self._load_epoch != self._load_summed_at:
-            self._load = sum(self.estimated_tokens(r) for r in self.core.requests.values())
+            self._load = (sum(self.estimated_tokens(r) for r in self.core.requests.values())
+                          + sum(self.estimated_tokens(r) for r, _ in self.fetching.values()))
             self._load_summed_at = self._load_epoch
         return self._load
 
@@ -261,7 +264,7 @@ class WorkerLoop:
         if req.traceparent:
             self.pool.traceparents[req.request_id] = req.traceparent
         self.expected_hits[req.request_id] = expected_hit_pages * self.pool.page_size
-        if req.request_id in self.core.requests and self._load_summed_at == self._load_epoch:
+        if self._load_summed_at == self._load_epoch:
             self._load += self.estimated_tokens(req)
         queue = queue or asyncio.Queue()
         self.streams[req.request_id] = queue
