@@ -35,6 +35,7 @@ from kvmesh.services.wire import LEASE_TOKEN_METADATA, SCHEDULER_METADATA
 from kvmesh.services.worker import device
 from kvmesh.services.worker.model import CausalLM
 from kvmesh.services.worker.runner import KVPool, ModelRunner
+from kvmesh.services.worker.team import TeamTuner
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -110,6 +111,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Every step runs on this one thread: torch's OpenMP pool belongs to the calling thread,
         # and steps hopping between executor threads would keep several pools alive and spinning.
         self._compute = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self.team: TeamTuner | None = None  # the steps' thread count, measured (team.py; --threads 0 on a CPU)
         self.info = worker_pb2.WorkerInfo()
         self._stream_owner = 0
         self.lease_token = 0  # the highest scheduler lease token accepted (fencing)
@@ -157,7 +159,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def _step(self, plan: StepPlan):
         start_ns = time.time_ns()
+        if (tuner := self.team) is not None and (team := tuner.team()) != torch.get_num_threads():
+            torch.set_num_threads(team)  # this thread's team: every step runs here
         result = self.runner.step(plan)
+        if tuner is not None:
+            tuner.record(sum(c.num_tokens for c in plan.scheduled), result.forward_s)
         return result, start_ns, time.time_ns()
 
     def _layout_problem(self, page_bytes: int, dtype: str) -> str | None:
@@ -465,6 +471,9 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     registry = Registry(common.redis_url)
     await registry.clear_drained(worker_id)  # a fresh process: whatever drained the last one is gone with it
     service.runner = runner = await asyncio.get_running_loop().run_in_executor(service._compute, load_runner, cfg)
+    cores = await asyncio.get_running_loop().run_in_executor(service._compute, torch.get_num_threads)  # the steps' thread's
+    if not cfg.threads and runner.model.device.type == "cpu" and cores >= 2:
+        service.team = TeamTuner(cores)
     service.metrics.offload.labels(worker_id, "used").set_function(lambda: runner.store.tier_bytes)
     service.metrics.offload.labels(worker_id, "capacity").set(runner.store.tier_capacity * runner.store.page_bytes)
     epoch = await registry.next_epoch(worker_id)
