@@ -1,6 +1,7 @@
 """KV-aware worker choice: prefix overlap against load, the balance guard, and ties."""
 
 import asyncio
+import contextlib
 
 from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker
 
@@ -177,16 +178,34 @@ def test_a_workers_room_is_its_pages_no_request_holds():
     assert loop.view([]).room_pages == 64
 
 
-def test_kvcache_is_asked_for_a_prompts_pages_only_when_a_peer_worker_could_send_them():
-    """A submit whose prompt the worker would compute asks kvcache's index which peer holds it
-    (to fetch instead); with no other worker of the pool and version registered (one worker, the
-    usual `kvmesh up`) nothing could be fetched, and the submit waits on no round trip."""
+@contextlib.asynccontextmanager
+async def scheduler_beside(index):
+    """A scheduler service (no workers yet) whose kvcache is the servicer `index`, over loopback gRPC."""
     import types
 
     import grpc
 
     from kvmesh.services.config import SchedulerServiceConfig
     from kvmesh.services.scheduler.server import SchedulerService
+    from kvmesh.v1 import kvcache_pb2_grpc
+
+    server = grpc.aio.server()
+    kvcache_pb2_grpc.add_KVCacheServicer_to_server(index, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            service = SchedulerService(SchedulerServiceConfig(), None, metrics=types.SimpleNamespace())
+            service._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(channel)
+            yield service
+    finally:
+        await server.stop(0)
+
+
+def test_kvcache_is_asked_for_a_prompts_pages_only_when_a_peer_worker_could_send_them():
+    """A submit whose prompt the worker would compute asks kvcache's index which peer holds it
+    (to fetch instead); with no other worker of the pool and version registered (one worker, the
+    usual `kvmesh up`) nothing could be fetched, and the submit waits on no round trip."""
     from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc
 
     class Index(kvcache_pb2_grpc.KVCacheServicer):
@@ -198,26 +217,18 @@ def test_kvcache_is_asked_for_a_prompts_pages_only_when_a_peer_worker_could_send
             return kvcache_pb2.LookupResponse()
 
     async def run():
-        index, server = Index(), grpc.aio.server()
-        kvcache_pb2_grpc.add_KVCacheServicer_to_server(index, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                service = SchedulerService(SchedulerServiceConfig(), None, metrics=types.SimpleNamespace())
-                service._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(channel)
-                loop = worker_loop()
-                service.workers = {"w": loop}
-                service.worker_records = {"w": {"id": "w", "address": "w:1", "epoch": 1, "version": "v1"}}
-                hashes = [bytes([i]) for i in range(8)]
-                assert await service.peer_pages(loop, hashes) is None and index.lookups == []
-                service.worker_records["w2"] = {"id": "w2", "address": "w2:1", "epoch": 1, "version": "v2"}
-                assert await service.peer_pages(loop, hashes) is None and index.lookups == []  # another version's
-                service.worker_records["w3"] = {"id": "w3", "address": "w3:1", "epoch": 1, "version": "v1"}
-                holders = await service.peer_pages(loop, hashes)
-                assert index.lookups == [8] and service.plan_fetch(loop, hashes, holders) is None  # asked; none holds it
-        finally:
-            await server.stop(0)
+        index = Index()
+        async with scheduler_beside(index) as service:
+            loop = worker_loop()
+            service.workers = {"w": loop}
+            service.worker_records = {"w": {"id": "w", "address": "w:1", "epoch": 1, "version": "v1"}}
+            hashes = [bytes([i]) for i in range(8)]
+            assert await service.peer_pages(loop, hashes) is None and index.lookups == []
+            service.worker_records["w2"] = {"id": "w2", "address": "w2:1", "epoch": 1, "version": "v2"}
+            assert await service.peer_pages(loop, hashes) is None and index.lookups == []  # another version's
+            service.worker_records["w3"] = {"id": "w3", "address": "w3:1", "epoch": 1, "version": "v1"}
+            holders = await service.peer_pages(loop, hashes)
+            assert index.lookups == [8] and service.plan_fetch(loop, hashes, holders) is None  # asked; none holds it
 
     asyncio.run(run())
 
@@ -228,15 +239,10 @@ def test_a_burst_whose_lookups_are_answered_together_is_spread_as_if_submitted_o
     a scheduler with two idle workers, and kvcache answers only once all four have asked: each
     chooses again after the answer, seeing those queued before it, so the prompts go two to a
     worker (choosing once, before the lookups, put all four on the first worker: each saw both idle)."""
-    import types
-
-    import grpc
     from opentelemetry import trace
     from prometheus_client import CollectorRegistry
 
     from kvmesh.metrics import SchedulerMetrics
-    from kvmesh.services.config import SchedulerServiceConfig
-    from kvmesh.services.scheduler.server import SchedulerService
     from kvmesh.services.scheduler.worker_loop import WorkerLoop
     from kvmesh.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, worker_pb2
 
@@ -254,25 +260,16 @@ def test_a_burst_whose_lookups_are_answered_together_is_spread_as_if_submitted_o
             return kvcache_pb2.LookupResponse()
 
     async def run():
-        index, server = Index(), grpc.aio.server()
-        kvcache_pb2_grpc.add_KVCacheServicer_to_server(index, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                cfg = SchedulerServiceConfig()
-                service = SchedulerService(cfg, None, metrics=types.SimpleNamespace())
-                service._kvcache_stub = kvcache_pb2_grpc.KVCacheStub(channel)
-                info = worker_pb2.WorkerInfo(num_pages=4096, page_size=16, max_context=4096, vocab_size=1000)
-                metrics = SchedulerMetrics(CollectorRegistry())
-                service.workers = {w: WorkerLoop({"id": w, "address": f"{w}:1"}, info, cfg, None, metrics) for w in "ab"}
-                service.worker_records = {w: {"id": w, "address": f"{w}:1", "epoch": 1, "version": "v1"} for w in "ab"}
-                prompts = [[100 * p + t % 90 for t in range(16 * 64)] for p in range(burst)]
-                held = await asyncio.gather(*(service._admit(scheduler_pb2.SubmitRequest(
-                    request_id=f"r{p}", prompt_token_ids=prompt), None, trace.INVALID_SPAN)
-                    for p, prompt in enumerate(prompts)))
-        finally:
-            await server.stop(0)
+        index = Index()
+        async with scheduler_beside(index) as service:
+            info = worker_pb2.WorkerInfo(num_pages=4096, page_size=16, max_context=4096, vocab_size=1000)
+            metrics = SchedulerMetrics(CollectorRegistry())
+            service.workers = {w: WorkerLoop({"id": w, "address": f"{w}:1"}, info, service.cfg, None, metrics) for w in "ab"}
+            service.worker_records = {w: {"id": w, "address": f"{w}:1", "epoch": 1, "version": "v1"} for w in "ab"}
+            prompts = [[100 * p + t % 90 for t in range(16 * 64)] for p in range(burst)]
+            held = await asyncio.gather(*(service._admit(scheduler_pb2.SubmitRequest(
+                request_id=f"r{p}", prompt_token_ids=prompt), None, trace.INVALID_SPAN)
+                for p, prompt in enumerate(prompts)))
         assert index.asked == burst
         return sorted(h.worker.worker_id for h in held)
 
