@@ -1,6 +1,9 @@
 """A CPU worker's team of threads: every core, or one fewer, whichever its steps measure faster."""
 
+import random
+
 import pytest
+import torch
 
 from kvmesh.services.worker.team import TeamTuner
 
@@ -71,3 +74,39 @@ def test_steps_computing_nothing_are_not_counted_and_one_core_has_nothing_to_tun
     assert tuner.trial is None and tuner.ran.steps == 0
     with pytest.raises(ValueError, match="2 or more cores"):
         TeamTuner(1)
+
+
+def test_a_team_changed_between_steps_leaves_every_token_and_logprob_as_it_was(hf_checkpoint):
+    """What the worker does when its team changes: the step thread's torch threads are set
+    between two steps. A batch of six (prompts over several pages, prefilled in chunks beside
+    decodes) run with the team changed at every step gives bit-identical greedy tokens and
+    logprobs to the same batch on a fixed team of two, and matches transformers."""
+    from kvmesh.engine import EngineConfig, LLMEngine
+    from kvmesh.params import SamplingParams, StoppingParams
+    from kvmesh.services.scheduler.core import SchedulerConfig
+    from reference import assert_matches_reference, hf_greedy
+
+    model_dir = hf_checkpoint("llama")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(20, 70))] for _ in range(6)]
+    stopping = StoppingParams(max_new_tokens=12, ignore_eos=True)
+    kept = torch.get_num_threads()
+
+    def run(teams):
+        engine = LLMEngine(EngineConfig(model=model_dir, num_pages=128, scheduler=SchedulerConfig(max_batched_tokens=48)))
+        reqs = [engine.add_request(p, SamplingParams(temperature=0.0), stopping) for p in prompts]
+        steps = 0
+        while engine.has_unfinished():
+            torch.set_num_threads(teams[steps % len(teams)])
+            engine.step()
+            steps += 1
+        return [(list(r.output_token_ids), list(r.output_logprobs)) for r in reqs], steps
+
+    try:
+        fixed, _ = run([2])
+        changing, steps = run([1, 2])
+    finally:
+        torch.set_num_threads(kept)
+    assert steps > 12 and changing == fixed
+    for prompt, (tokens, logprobs) in zip(prompts, changing):
+        assert assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, prompt, 12)) > 0
