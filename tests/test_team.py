@@ -1,4 +1,4 @@
-"""A CPU worker's team of threads: every core, or one fewer, whichever its steps measure faster."""
+"""A CPU worker's team of threads: the one its steps measure fastest, walked down from every core."""
 
 import random
 
@@ -65,6 +65,39 @@ def test_the_median_pair_decides_over_a_steps_mix_that_differs_between_windows()
         tuner.record(tokens, tokens * per_token[team] * (0.5 if prompt_chunks else 1.0))
     assert tuner.trial is None and tuner.current == 2 and tuner.switches == 0
     assert tuner.after == 2  # decided, the same answer: the next trial comes later
+
+
+def busy_host(cores: int, best: int) -> dict[int, float]:
+    """Time per token on each team of a host where the rest of the mesh keeps cores - best cores
+    busy: every thread past `best` waits at each parallel region's end (15% a thread), fewer
+    threads than `best` compute slower (15% a thread)."""
+    return {k: 1e-4 * (1 + 0.15 * abs(k - best)) for k in range(1, cores + 1)}
+
+
+def test_a_many_core_host_busy_beside_the_worker_is_walked_down_to_its_best_team_and_stays():
+    """16 cores, three of them kept busy by the rest of the mesh: each trial that moves down is
+    followed by one a thread lower, until a thread fewer no longer pays; then the trials alternate
+    a thread fewer and every core, both slower, and come ever rarer."""
+    tuner = TeamTuner(16)
+    teams = run(tuner, busy_host(16, 13), 20000)
+    assert tuner.current == 13 and tuner.switches == 3
+    settled = len(teams) - teams[::-1].index(14)  # past the trial that moved from 14 to 13
+    assert settled < 200  # three trials of 8 steps before and 24 in each
+    assert set(teams[settled:]) == {12, 13, 16}  # the trials' windows: a thread fewer, every core
+    assert teams[settled:].count(13) / len(teams[settled:]) > 0.99
+
+
+def test_a_team_walked_down_goes_back_to_every_core_when_the_host_frees_them():
+    """The walk down ended at 13 threads; the rest of the mesh then goes idle, and every core is
+    a third faster than 13 (one more thread would be 7%, inside the margin): the next trial that
+    tries every core moves there."""
+    tuner = TeamTuner(16)
+    run(tuner, busy_host(16, 13), 2000)
+    assert tuner.current == 13
+    free = {k: 1e-4 * 16 / k for k in range(1, 17)}  # a worker alone: every thread computes
+    teams = run(tuner, free, 6000)
+    assert tuner.current == 16 and teams[-1] == 16
+    assert teams.index(16) < 2 * 4 * tuner.max_after  # within the longest wait between two trials
 
 
 def test_steps_computing_nothing_are_not_counted_and_one_core_has_nothing_to_tune():

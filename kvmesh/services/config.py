@@ -148,7 +148,7 @@ class WorkerConfig:
     max_step_tokens: int = dataclasses.field(default=8192, metadata=_help("CUDA: the largest step the memory profile runs (keep >= the scheduler's --max-batched-tokens)"))
     kv_offload_mib: int = dataclasses.field(default=0, metadata=_help("host-memory tier for KV pages evicted from the pool, read back instead of recomputed (0: none)"))
     page_size: int = dataclasses.field(default=16, metadata=_help("tokens per KV page"))
-    threads: int = dataclasses.field(default=0, metadata=_help("torch threads (0: one per core on a CPU, or one fewer while the steps measure faster so)"))
+    threads: int = dataclasses.field(default=0, metadata=_help("torch threads (0: on a CPU, the team its steps measure fastest: every core, or fewer while fewer measure faster)"))
     pool: str = dataclasses.field(default="default", metadata=_help("model pool (the model name clients ask for)"))
     version: str = dataclasses.field(default="v1", metadata=_help("model version within the pool (canary rollouts split traffic by version)"))
     fault_rate: float = dataclasses.field(default=0.0, metadata=_help("TESTING ONLY: fail this fraction of requests (chosen by a hash of the request id) at their first token"))
