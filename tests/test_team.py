@@ -54,17 +54,68 @@ def test_a_difference_within_the_margin_changes_nothing():
     assert tuner.current == 4 and tuner.switches == 0
 
 
-def test_the_median_pair_decides_over_a_steps_mix_that_differs_between_windows():
-    """One trial window in four happens to carry long prompt chunks (cheap per token): one
-    pair's ratio says the other team is faster, the median of the trial's four does not."""
+def test_a_pair_of_windows_whose_steps_mix_differs_is_left_out_of_the_trial():
+    """The trial's first window happens to carry long prompt chunks (cheap per token): its pair
+    would say the other team is faster. Its windows computed 8x the tokens a step of each other,
+    so that pair is not counted: the trial takes one pair more, and its three counted pairs keep
+    the current team."""
     tuner = TeamTuner(2, first_after=1)
-    per_token = {1: 1.3e-4, 2: 1e-4}
-    for i in range(4 + 4 * 6):  # one window of the current team, then the trial's six
+    per_token = {1: 1.2e-4, 2: 1e-4}  # slower, not clearly (25%): the trial runs its three counted pairs
+    for i in range(4 + 4 * 8):  # one window of the current team, then the trial's eight
+        if i == 4 + 4 * 6:
+            assert tuner.trial is not None and len(tuner.trial) == 7  # three pairs, two counted
         team, prompt_chunks = tuner.team(), i // 4 == 1  # the trial's first window, on one thread
         tokens = 1024 if prompt_chunks else 128
         tuner.record(tokens, tokens * per_token[team] * (0.5 if prompt_chunks else 1.0))
     assert tuner.trial is None and tuner.current == 2 and tuner.switches == 0
     assert tuner.after == 2  # decided, the same answer: the next trial comes later
+
+
+def test_a_light_model_whose_first_steps_favour_every_core_still_moves_when_its_mix_settles():
+    """The cheap model through the mesh: its first steps are whole prompt chunks, faster on both
+    threads (the first trial ends at its first pair), then its steps settle into decode rows,
+    faster on one. Its trials take hundredths of a second, within the first second's grace, so
+    the next ones come by step count and find the faster team."""
+    tuner = TeamTuner(2)
+    prompts = {1: 2e-6, 2: 1e-6}  # per token, 1024-token steps
+    decodes = {1: 0.75e-5, 2: 1e-5}  # per token, 128-row steps
+    teams = run(tuner, prompts, 24, tokens=lambda i: 1024)
+    assert tuner.current == 2 and teams.count(1) == 4  # one window: clearly slower
+    teams = run(tuner, decodes, 400)
+    assert tuner.current == 1 and teams.index(1) < 40
+
+
+def test_a_trial_none_of_whose_pairs_compare_decides_nothing_and_the_next_comes_as_soon():
+    """Every window of the other team happens to carry prompt chunks, every one of the current
+    team decode rows: after six pairs the trial ends with no answer, the team stays, and the next
+    trial comes as soon as this one did (an answer, not a guess, makes trials rarer)."""
+    tuner = TeamTuner(2)
+    for _ in range(8 + 4 * 12):
+        team = tuner.team()
+        tokens = 1024 if team == 1 else 128
+        tuner.record(tokens, tokens * 1e-4 * (0.5 if team == 1 else 1.0))
+    assert tuner.trial is None and tuner.current == 2 and tuner.switches == 0
+    assert tuner.after == tuner.first_after and tuner.tried > 0
+    for _ in range(tuner.first_after * tuner.window):
+        assert tuner.team() == 2
+        tuner.record(128, 0.0128)
+    assert tuner.trial is not None and tuner.team() == 1  # the next trial, after 8 steps as the first
+
+
+def test_trials_that_change_nothing_take_at_most_a_hundredth_of_the_forward_time():
+    """A heavy model under load: its steps are long prompt chunks, a window of them on one thread
+    fewer costs seconds, and trials by step count alone (every 8, 16, 32, ... steps) would spend
+    a few percent of the first thousand steps there. Trials wait until the other team's windows
+    are within 1% of all forward time, so the first steps pay about as much as the long run."""
+    per_token = {1: 1.8e-3, 2: 1e-3}
+    tuner = TeamTuner(2)
+    teams = run(tuner, per_token, 3000, tokens=lambda i: 1024)
+    assert tuner.current == 2 and tuner.switches == 0
+    seconds = {k: teams.count(k) * 1024 * per_token[k] for k in per_token}
+    window = 4 * 1024 * per_token[1]
+    assert seconds[1] <= tuner.grace_s + 0.01 * (seconds[1] + seconds[2]) + window  # at most the window that crossed it
+    assert teams[:12].count(1) == 4  # the first trial (after 8 steps) is not held back
+    assert tuner.tried == pytest.approx(seconds[1])
 
 
 def busy_host(cores: int, best: int) -> dict[int, float]:
