@@ -187,17 +187,27 @@ def test_a_killed_workers_streams_continue_exactly_on_another_worker(model_dir, 
         prompts = [f"long stream {i}" for i in range(6)]
         n = 200
 
+        killed = []
+
+        def kill():
+            os.kill(mesh.child("worker-0").process.pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+
         async def run():
             async with grpc.aio.insecure_channel(mesh.addr) as ch:
                 stub = generation_pb2_grpc.GenerationStub(ch)
-                results = await streams_through(stub, [greedy(p, n) for p in prompts],
-                                                lambda: os.kill(mesh.child("worker-0").process.pid, signal.SIGKILL))
+                started = time.monotonic()
+                results = await streams_through(stub, [greedy(p, n) for p in prompts], kill)
                 after = await asyncio.gather(*(collect(stub, greedy(f"after {i}", 8), timeout=30) for i in range(4)))
-                return results, after, await wait_idle(mesh.kvcache_addr)
+                return results, killed[0] - started, after, await wait_idle(mesh.kvcache_addr)
 
-        results, after, pages = asyncio.run(asyncio.wait_for(run(), 120))
+        results, killed_after, after, pages = asyncio.run(asyncio.wait_for(run(), 120))
         for prompt, (tokens, logprobs, finish) in zip(prompts, results):
-            assert finish.reason == gen.LENGTH and finish.worker_id == "worker-1", finish
+            # On worker-1, unless worker-0 ended it before the kill: the test kills once every stream
+            # has its first token, and on a loaded machine a stream can end first (its whole life,
+            # from its arrival after `started`, then fits before the kill).
+            assert finish.reason == gen.LENGTH, finish
+            assert finish.worker_id == "worker-1" or finish.total_ms / 1000 <= killed_after, (finish, killed_after)
             assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, tok.encode(prompt), n))
         assert any(f.preemptions for _, _, f in results)  # worker-0 had some: recomputed on worker-1
         assert all(a[3].reason == gen.LENGTH and a[3].worker_id == "worker-1" for a in after)
