@@ -104,9 +104,9 @@ def test_a_trial_none_of_whose_pairs_compare_decides_nothing_and_the_next_comes_
 
 def test_trials_that_change_nothing_take_at_most_a_hundredth_of_the_forward_time():
     """A heavy model under load: its steps are long prompt chunks, a window of them on one thread
-    fewer costs seconds, and trials by step count alone (every 8, 16, 32, ... steps) would spend
-    a few percent of the first thousand steps there. Trials wait until the other team's windows
-    are within 1% of all forward time, so the first steps pay about as much as the long run."""
+    fewer costs seconds, and trials by step count alone (after 8, 16, 32, ... steps) spent 1.9%
+    of these 3,000 steps' time on the slower team. Trials now wait while the other team's windows
+    have taken over a second plus 1% of all forward time."""
     per_token = {1: 1.8e-3, 2: 1e-3}
     tuner = TeamTuner(2)
     teams = run(tuner, per_token, 3000, tokens=lambda i: 1024)
@@ -139,9 +139,9 @@ def test_a_many_core_host_busy_beside_the_worker_is_walked_down_to_its_best_team
 
 
 def test_a_team_walked_down_goes_back_to_every_core_when_the_host_frees_them():
-    """The walk down ended at 13 threads; the rest of the mesh then goes idle, and every core is
-    a third faster than 13 (one more thread would be 7%, inside the margin): the next trial that
-    tries every core moves there."""
+    """The walk down ended at 13 threads; the rest of the mesh then goes idle, and every core takes
+    19% less time a token than 13 (one thread more would take 7% less, inside the margin): the
+    next trial that tries every core moves there."""
     tuner = TeamTuner(16)
     run(tuner, busy_host(16, 13), 2000)
     assert tuner.current == 13
