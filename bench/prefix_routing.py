@@ -11,8 +11,8 @@ gets a fresh mesh.
     cd bench && ../.venv/bin/python prefix_routing.py --dtype bfloat16 --kv-memory-mib 48   # the same ~4,000 tokens
 
 Prints, per configuration, time to first token (p50, p90), output tokens/s and the share of prompt
-tokens served from the prefix cache; then kv routing's output over each other configuration's and
-their TTFT p50 over its, run by run and of the medians (`--repeats N` runs every configuration N
+tokens served from the prefix cache; then kv routing's output and TTFT p50 over each other
+configuration's, run by run and of the medians (`--repeats N` runs every configuration N
 times in turn: at 16 clients one run's ratio to round-robin has spread from 1.71x to 2.18x on one
 machine, so a claim rests on several).
 """
@@ -79,13 +79,13 @@ def main() -> None:
 
 
 def ratios(name: str, other: str, mine: list[tuple[float, float]], theirs: list[tuple[float, float]]) -> str:
-    """kv routing's output over another configuration's, and that one's TTFT p50 over kv routing's,
-    run by run (each pair ran one after the other) and of the medians."""
+    """kv routing's output and TTFT p50 over another configuration's, run by run (each pair ran
+    one after the other) and of the medians: output over 1 and TTFT under 1 are kv routing's gains."""
     out = [m[1] / t[1] for m, t in zip(mine, theirs)]
-    ttft = [t[0] / m[0] for m, t in zip(mine, theirs)]
+    ttft = [m[0] / t[0] for m, t in zip(mine, theirs)]
     median = (statistics.median(m[1] for m in mine) / statistics.median(t[1] for t in theirs),
-              statistics.median(t[0] for t in theirs) / statistics.median(m[0] for m in mine))
-    return (f"{name.split(',')[0]} against {other.split(',')[0]}: output {median[0]:.2f}x, TTFT p50 {median[1]:.2f}x lower "
+              statistics.median(m[0] for m in mine) / statistics.median(t[0] for t in theirs))
+    return (f"{name.split(',')[0]} / {other.split(',')[0]}: output {median[0]:.2f}x, TTFT p50 {median[1]:.2f}x "
             f"(medians of {len(mine)}; by run: output {', '.join(f'{r:.2f}x' for r in out)}; "
             f"TTFT p50 {', '.join(f'{r:.2f}x' for r in ttft)})")
 
