@@ -88,18 +88,34 @@ def test_a_light_model_whose_first_steps_favour_every_core_still_moves_when_its_
 def test_a_trial_none_of_whose_pairs_compare_decides_nothing_and_the_next_comes_as_soon():
     """Every window of the other team happens to carry prompt chunks, every one of the current
     team decode rows: after six pairs the trial ends with no answer, the team stays, and the next
-    trial comes as soon as this one did (an answer, not a guess, makes trials rarer)."""
+    trial comes as soon as this one did (an answer, not a guess, makes trials rarer), while such
+    trials' windows stay within the first second's grace."""
     tuner = TeamTuner(2)
     for _ in range(8 + 4 * 12):
         team = tuner.team()
         tokens = 1024 if team == 1 else 128
-        tuner.record(tokens, tokens * 1e-4 * (0.5 if team == 1 else 1.0))
+        tuner.record(tokens, tokens * 1e-5 * (0.5 if team == 1 else 1.0))
     assert tuner.trial is None and tuner.current == 2 and tuner.switches == 0
-    assert tuner.after == tuner.first_after and tuner.tried > 0
+    assert tuner.after == tuner.first_after and 0 < tuner.tried < tuner.grace_s
     for _ in range(tuner.first_after * tuner.window):
         assert tuner.team() == 2
-        tuner.record(128, 0.0128)
+        tuner.record(128, 0.00128)
     assert tuner.trial is not None and tuner.team() == 1  # the next trial, after 8 steps as the first
+
+
+def test_trials_that_decide_nothing_are_held_back_once_they_cost_more_than_the_grace():
+    """The same mixes for a heavy model: six windows of prompt steps on one thread take 12 s, so
+    the next trial waits until that is under a second plus 1% of the forward time."""
+    tuner = TeamTuner(2)
+    for _ in range(8 + 4 * 12):
+        team = tuner.team()
+        tokens = 1024 if team == 1 else 128
+        tuner.record(tokens, tokens * 1e-3 * (0.5 if team == 1 else 1.0))
+    assert tuner.trial is None and tuner.switches == 0 and tuner.tried > tuner.grace_s
+    for _ in range(200):  # 200 decode steps of 0.128 s: 25.6 s, where 1,100 s would be needed
+        assert tuner.team() == 2
+        tuner.record(128, 0.128)
+    assert tuner.trial is None
 
 
 def test_trials_that_change_nothing_take_at_most_a_hundredth_of_the_forward_time():

@@ -59,6 +59,7 @@ class TeamTuner:
         self.alike, self.share, self.grace_s = alike, share, grace_s
         self.elapsed = 0.0  # forward seconds of every step recorded
         self.tried = 0.0  # of them, the other team's in trials that changed nothing
+        self.fresh = True  # no trial has ended without a change since the start or the last change
         self.first_after, self.max_after = first_after, max_after
         self.after = first_after  # windows of the current team before the next trial
         self.ran = _Window()  # steps of the current team since the last trial
@@ -115,13 +116,14 @@ class TeamTuner:
 
     def _affordable(self) -> bool:
         """Whether a trial may start: the first after the start or a change always may; after one
-        that changed nothing, only while the other team's windows of such trials have taken at most
+        that changed nothing (or decided nothing), only while the other team's windows of such
+        trials have taken at most
         `grace_s` plus `share` of all the forward time. A heavy model under load, whose window of
         four prompt steps on a thread fewer runs seconds longer, then pays under 1% of its
         capacity; a light one, whose windows take a tenth of a second, keeps trying while its steps'
         mix settles (the cheap model's first trial meets prompt steps only, where two threads win,
         and the decode steps after them run faster on one)."""
-        return self.after == self.first_after or self.tried <= self.grace_s + self.share * self.elapsed
+        return self.fresh or self.tried <= self.grace_s + self.share * self.elapsed
 
     def _decide(self, ratio: float | None) -> None:
         """`ratio`: the other team's time per token over the current one's (None: no pair of the
@@ -133,7 +135,9 @@ class TeamTuner:
             self.current = self.other  # and the next trial goes on the same way
             self.after = self.first_after
             self.switches += 1
+            self.fresh = True
         else:
+            self.fresh = False
             self.tried += sum(w.seconds for w in trial[0::2])
             if ratio is not None:
                 self.direction = -self.direction  # the other side next
