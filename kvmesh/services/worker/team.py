@@ -116,19 +116,18 @@ class TeamTuner:
 
     def _affordable(self) -> bool:
         """Whether a trial may start: the first after the start or a change always may; after one
-        that changed nothing (or decided nothing), only while the other team's windows of such
-        trials have taken at most
-        `grace_s` plus `share` of all the forward time. A heavy model under load, whose window of
-        four prompt steps on a thread fewer runs seconds longer, then pays under 1% of its
-        capacity; a light one, whose windows take a tenth of a second, keeps trying while its steps'
-        mix settles (the cheap model's first trial meets prompt steps only, where two threads win,
-        and the decode steps after them run faster on one)."""
+        that changed or decided nothing, only while the other team's windows of such trials have
+        taken at most `grace_s` plus `share` of all the forward time. A heavy model under load,
+        whose window of four prompt steps on a thread fewer runs seconds longer, then pays under 1%
+        of its capacity; a light one, whose windows take a tenth of a second, keeps trying while
+        its steps' mix settles (the cheap model's first trial meets prompt steps only, where two
+        threads win, and the decode steps after them run faster on one)."""
         return self.fresh or self.tried <= self.grace_s + self.share * self.elapsed
 
     def _decide(self, ratio: float | None) -> None:
         """`ratio`: the other team's time per token over the current one's (None: no pair of the
         trial compared, their mixes differed: nothing is learned, and the next trial comes as
-        soon as this one did)."""
+        soon as this one did, if `_affordable`)."""
         trial, self.trial = self.trial, None
         if ratio is not None and ratio < 1 - self.margin:
             log.info("steps now run on %d threads: %.0f%% of the time per token on %d", self.other, 100 * ratio, self.current)
