@@ -163,7 +163,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             torch.set_num_threads(team)  # this thread's team: every step runs here
         result = self.runner.step(plan)
         if tuner is not None:
-            tuner.record(sum(c.num_tokens for c in plan.scheduled), result.forward_s)
+            tuner.record(plan.num_tokens, result.forward_s)
         return result, start_ns, time.time_ns()
 
     def _layout_problem(self, page_bytes: int, dtype: str) -> str | None:
