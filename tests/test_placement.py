@@ -277,8 +277,8 @@ def test_a_burst_whose_lookups_are_answered_together_is_spread_as_if_submitted_o
 
 
 def test_the_router_counts_the_prompt_pages_a_scheduler_has_no_room_for_as_its_load():
-    """Among schedulers the guard reads each scheduler's room from the lookup (its roomiest
-    worker's pages no request holds): A holds the prompt's 18 cached pages and has 40 pages of
+    """Among schedulers the guard reads each scheduler's room from the lookup (its best worker's
+    pages no request holds, `by_scheduler`): A holds the prompt's 18 cached pages and has 40 pages of
     work more than B. B, with room for 10 of the 19 pages it lacks, counts the other 9 as load and
     is within the 32-page slack of A: A keeps the prompt. B with room for all 19, or one kvcache
     has not heard from (room unknown), takes it."""
@@ -290,6 +290,27 @@ def test_the_router_counts_the_prompt_pages_a_scheduler_has_no_room_for_as_its_l
     assert choice.choose(["A", "B"], hashes, {"A": 18}, 16, {"A": 0, "B": 10}) == ("A", 18)
     assert choice.choose(["A", "B"], hashes, {"A": 18}, 16, {"A": 0, "B": 19}) == ("B", 0)
     assert choice.choose(["A", "B"], hashes, {"A": 18}, 16, {"A": 0}) == ("B", 0)
+
+
+def test_a_schedulers_prefix_and_room_for_the_router_are_one_workers():
+    """The router sets a scheduler's prefix against the room of the worker holding it, not of its
+    roomiest worker: A's worker holding 10 of the prompt's 19 pages has no room for the other 9
+    (they would come from its running requests), and A has 30 pages of work more than B, which has
+    room for all 19. Read as one worker, A counts the 9 as load and is past the 32-page slack: B
+    takes the prompt. A's longest prefix beside its idle worker's room (the reading before) kept it
+    on A. A scheduler's best worker is the one that would compute the fewest pages, counting again
+    what it lacks beyond its room: a holder with room, or a roomy worker over a holder of little."""
+    from kvmesh.services.router.prefix_routing import SchedulerChoice, by_scheduler
+
+    hashes = [bytes([i]) for i in range(19)]
+    held, room = by_scheduler([("A", 10, 0), ("A", 0, 40), ("B", 0, 19)], len(hashes))
+    assert (held, room) == ({"A": 10, "B": 0}, {"A": 0, "B": 19})
+    choice = SchedulerChoice(PlacementConfig(balance_slack_pages=32))
+    choice.start("A", [b"own"], 16 * 30, 0)  # A's 30 pages of other work
+    assert choice.choose(["A", "B"], hashes, held, 16, room) == ("B", 0)
+    assert choice.choose(["A", "B"], hashes, {"A": 10}, 16, {"A": 40, "B": 19}) == ("A", 10)  # the old reading
+    assert by_scheduler([("A", 10, 9), ("A", 0, 40)], 19) == ({"A": 10}, {"A": 9})
+    assert by_scheduler([("A", 2, 0), ("A", 0, 40)], 19) == ({"A": 0}, {"A": 40})
 
 
 def test_the_routers_in_flight_prefixes_lead_followers_and_leave_with_their_requests():

@@ -35,6 +35,22 @@ class InFlight:
     hashes: Counter = field(default_factory=Counter)  # page hashes of their prompts
 
 
+def by_scheduler(workers: list[tuple[str, int, float]], prompt_pages: int) -> tuple[dict[str, int], dict[str, float]]:
+    """Per scheduler, from kvcache's lookup of a prompt of `prompt_pages` full pages, `workers` as
+    (owning scheduler, leading pages the worker holds, its room): the (leading pages, room) of the
+    worker that scheduler would compute the fewest pages on, counting as placement does what a
+    worker lacks and again what it lacks beyond its room; ties go to the longer prefix. (A
+    scheduler's best prefix set against its roomiest worker's room, which may be another worker,
+    promised a copy no worker of it had room for.)"""
+    best: dict[str, tuple[tuple[float, int], int, float]] = {}
+    for owner, pages, room in workers:
+        lacks = prompt_pages - pages
+        key = (lacks + max(0.0, lacks - room), -pages)
+        if owner not in best or key < best[owner][0]:
+            best[owner] = (key, pages, room)
+    return {o: pages for o, (_, pages, _) in best.items()}, {o: room for o, (_, _, room) in best.items()}
+
+
 def leading(held, hashes: list[bytes]) -> int:
     n = 0
     for h in hashes:
@@ -55,8 +71,8 @@ class SchedulerChoice:
     def choose(self, addresses: list[str], hashes: list[bytes], held: dict[str, int], page_size: int,
                room: dict[str, int] | None = None) -> tuple[str, int]:
         """(address, prefix pages it holds) of the cheapest scheduler for a prompt with page
-        `hashes`; from the lookup, `held`: address -> leading pages its workers hold, `room`:
-        address -> the most pages no request holds on one of its workers (unknown: room enough)."""
+        `hashes`; from the lookup (`by_scheduler`), `held`: address -> leading pages its chosen
+        worker holds, `room`: address -> that worker's pages no request holds (unknown: room enough)."""
         room = room or {}
         views = []
         for address in addresses:

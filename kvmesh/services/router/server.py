@@ -28,7 +28,7 @@ from kvmesh.services.registry import Registry, kv_tokens, pool_of, ready_version
 from kvmesh.services.router.limits import Admission, KeyLimiter, KeyLimits, LimitExceeded
 from kvmesh.services.router.output import ChoiceOutput, alternatives, prompt_tokens
 from kvmesh.services.router.pools import Pool, parse_models, served_names
-from kvmesh.services.router.prefix_routing import LOOKUP_TIMEOUT_S, SchedulerChoice
+from kvmesh.services.router.prefix_routing import LOOKUP_TIMEOUT_S, SchedulerChoice, by_scheduler
 from kvmesh.services.router.session import SchedulerLink
 from kvmesh.services.scheduler.placement import PlacementConfig
 from kvmesh.services.tls import MeshIdentity, RegisteredPeers, mesh_identity, public_server_credentials, public_ssl_context
@@ -382,10 +382,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         prompt = max(1, len(submit.prompt_token_ids) - prefix * pool.page_size)
         return pool.scheduler_at(address), self.choice.start(address, hashes, prompt, choices * submit.stopping.max_new_tokens)
 
-    async def _prefix_holders(self, pool: Pool, hashes: list[bytes], span) -> tuple[dict[str, int], dict[str, int]]:
-        """Per scheduler address, from kvcache's prefix index: the most leading pages of `hashes`
-        one of its workers holds at its live epoch, and the most room (pages no request holds) one
-        of its workers has; ({}, {}) when kvcache cannot answer in time."""
+    async def _prefix_holders(self, pool: Pool, hashes: list[bytes], span) -> tuple[dict[str, int], dict[str, float]]:
+        """Per scheduler address, from kvcache's prefix index: the leading pages of `hashes` held, at
+        its live epoch, by the worker of it that would compute the fewest of the prompt's pages,
+        and that worker's room (pages no request holds; `prefix_routing.by_scheduler`); ({}, {})
+        when kvcache cannot answer in time."""
         if self.kvcache is None:
             self._lookup_outcome(pool, span, "unavailable")
             return {}, {}
@@ -396,17 +397,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             self._lookup_outcome(pool, span, "unavailable")
             log.debug("prefix lookup failed (%s): routing by load", e.code().name)
             return {}, {}
-        held: dict[str, int] = {}
+        workers, holding = [], set()
         for w in found.workers:
             owner, epoch = pool.owners.get(w.worker_id, (None, None))
             if owner is not None and epoch == w.epoch:
-                held[owner] = max(held.get(owner, 0), w.pages)
-        room: dict[str, int] = {}
+                workers.append((owner, w.pages, found.room_pages.get(w.worker_id, float("inf"))))
+                holding.add(w.worker_id)
         for worker_id, pages in found.room_pages.items():
-            if (owner := pool.owners.get(worker_id, (None, None))[0]) is not None:
-                room[owner] = max(room.get(owner, 0), pages)
-        self._lookup_outcome(pool, span, "hit" if held else "miss")
-        return held, room
+            if worker_id not in holding and (owner := pool.owners.get(worker_id, (None, None))[0]) is not None:
+                workers.append((owner, 0, pages))
+        self._lookup_outcome(pool, span, "hit" if holding else "miss")
+        return by_scheduler(workers, len(hashes))
 
     def _lookup_outcome(self, pool: Pool, span, outcome: str) -> None:
         """Counted, and on the request's span: a trace shows whether kvcache answered in time."""
