@@ -69,7 +69,7 @@ class SchedulerChoice:
         self.sent: Counter = Counter()  # address -> requests sent there: the tie-break
 
     def choose(self, addresses: list[str], hashes: list[bytes], held: dict[str, int], page_size: int,
-               room: dict[str, int] | None = None) -> tuple[str, int]:
+               room: dict[str, float] | None = None) -> tuple[str, int]:
         """(address, prefix pages it holds) of the cheapest scheduler for a prompt with page
         `hashes`; from the lookup (`by_scheduler`), `held`: address -> leading pages its chosen
         worker holds, `room`: address -> that worker's pages no request holds (unknown: room enough)."""
