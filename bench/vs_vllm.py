@@ -16,7 +16,8 @@ Setting up vLLM's CPU build (its own venv; it pins its own torch):
     cd bench && ../.venv/bin/python vs_vllm.py --vllm-python ~/vllm-venv/bin/python
 
 VLLM_CPU_OMP_THREADS_BIND (default here: every core, 0-N) makes vLLM use the cores; kvmesh gets
---threads torch threads (default: every core).
+--threads torch threads (default: every core). Each system takes steps of its own default size:
+kvmesh 1,024 tokens (--max-batched-tokens), vLLM's CPU build 4,096 offline.
 
 KV memory: vLLM zeroes its whole KV cache when it starts, before the timed run; kvmesh's pool is
 mapped lazily and the OS supplies each page on its first write, during the run (a fresh worker
@@ -69,7 +70,8 @@ def kvmesh_pass(work: dict, out: str) -> None:
         torch.set_num_threads(work["threads"])
     engine = LLMEngine(EngineConfig(model=work["model"], dtype=work["dtype"], kv_memory_bytes=4 << 30,
                                     enable_prefix_caching=False,
-                                    scheduler=SchedulerConfig(max_batched_tokens=1024, max_num_seqs=work["max_num_seqs"])))
+                                    scheduler=SchedulerConfig(max_batched_tokens=work["max_batched_tokens"],
+                                                              max_num_seqs=work["max_num_seqs"])))
     if work["pool"] == "resident":  # every OS page of the pool written once (with the zeros it holds)
         for cache in (engine.runner.pool.k, engine.runner.pool.v):
             flat = cache.view(-1)
@@ -110,6 +112,8 @@ def main() -> None:
     ap.add_argument("--input-len", default="16:512")
     ap.add_argument("--output-len", default="16:256")
     ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-batched-tokens", type=int, default=1024,
+                    help="kvmesh's tokens per step (its default, 1024; vLLM's CPU build takes 4,096 offline)")
     ap.add_argument("--threads", type=int, default=0, help="kvmesh's torch threads (0: torch's default, every core)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", choices=("resident", "lazy"), default="resident",
@@ -129,6 +133,7 @@ def main() -> None:
     total = sum(outputs)
     for dtype in args.dtypes.split(","):
         work = {"model": model_dir, "dtype": dtype, "prompts": prompts, "outputs": outputs, "threads": args.threads,
+                "max_batched_tokens": args.max_batched_tokens,
                 "max_num_seqs": args.max_num_seqs, "max_model_len": cfg.max_position_embeddings, "pool": args.pool}
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(work, f)
@@ -142,7 +147,7 @@ def main() -> None:
         rate = {s: statistics.median(total / r["elapsed_s"] for r in rs) for s, rs in runs.items()}
         line = (f"{dtype:<9} kvmesh {rate['kvmesh']:7.1f} output tok/s  vLLM CPU {rate['vllm']:7.1f}  "
                 f"kvmesh / vLLM {rate['kvmesh'] / rate['vllm']:.2f}x  (medians of {args.passes}, {total} output tokens, "
-                f"kvmesh pool {args.pool})")
+                f"kvmesh pool {args.pool}, {args.max_batched_tokens}-token steps)")
         if dtype == "float32":
             a, b = runs["kvmesh"][0]["tokens"], runs["vllm"][0]["tokens"]
             line += f"; greedy outputs identical for {sum(x == y for x, y in zip(a, b))} of {len(a)} prompts"
