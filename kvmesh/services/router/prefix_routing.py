@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker, discount
+from kvmesh.services.scheduler.placement import PlacementConfig, WorkerView, choose_worker, discount, pages_to_compute
 
 LOOKUP_TIMEOUT_S = 0.25
 
@@ -44,8 +44,7 @@ def by_scheduler(workers: list[tuple[str, int, float]], prompt_pages: int) -> tu
     promised a copy no worker of it had room for.)"""
     best: dict[str, tuple[tuple[float, int], int, float]] = {}
     for owner, pages, room in workers:
-        lacks = prompt_pages - pages
-        key = (lacks + max(0.0, lacks - room), -pages)
+        key = (pages_to_compute(prompt_pages, pages, room), -pages)
         if owner not in best or key < best[owner][0]:
             best[owner] = (key, pages, room)
     return {o: pages for o, (_, pages, _) in best.items()}, {o: room for o, (_, _, room) in best.items()}

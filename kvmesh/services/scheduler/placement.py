@@ -55,10 +55,20 @@ class WorkerView:
     room_pages: float = float("inf")  # pages no request holds (free, or cached and unreferenced); inf: unknown
 
 
+def short_pages(prompt_pages: int, prefix_pages: int, room_pages: float) -> float:
+    """Pages of a prompt a worker holding `prefix_pages` of it lacks and has no room for."""
+    return max(0.0, prompt_pages - prefix_pages - room_pages)
+
+
+def pages_to_compute(prompt_pages: int, prefix_pages: int, room_pages: float) -> float:
+    """The prefill a worker's cost counts: the prompt pages it lacks, and again those it has no room for."""
+    return prompt_pages - prefix_pages + short_pages(prompt_pages, prefix_pages, room_pages)
+
+
 def choose_worker(prompt_pages: int, views: list[WorkerView], cfg: PlacementConfig) -> WorkerView:
     """The cheapest eligible worker for a prompt of `prompt_pages` full pages; `views` non-empty."""
     def short(v: WorkerView) -> float:  # pages of the prompt it lacks and has no room for
-        return max(0.0, prompt_pages - v.prefix_pages - v.room_pages)
+        return short_pages(prompt_pages, v.prefix_pages, v.room_pages)
 
     def load(v: WorkerView) -> float:
         return v.load_pages - v.queued_prefix_pages + short(v)
@@ -68,7 +78,7 @@ def choose_worker(prompt_pages: int, views: list[WorkerView], cfg: PlacementConf
     eligible = [v for v in views if load(v) <= limit]
 
     def cost(v: WorkerView):
-        prefill = cfg.prefill_weight * (prompt_pages - v.prefix_pages + short(v))
+        prefill = cfg.prefill_weight * pages_to_compute(prompt_pages, v.prefix_pages, v.room_pages)
         return (prefill + cfg.load_weight * v.load_pages, v.held_pages, v.worker_id)
 
     return min(eligible, key=cost)
