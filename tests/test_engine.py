@@ -240,3 +240,28 @@ def test_every_page_returns_after_finish_preemption_and_cancel(hf_checkpoint):
     assert engine.scheduler.num_preemptions > 0
     assert {r.finish_reason for r in reqs} == {FinishReason.CANCELLED, FinishReason.LENGTH}
     assert_all_pages_returned(engine)
+
+
+def test_steps_whose_mlp_runs_in_blocks_of_rows_match_transformers(hf_checkpoint):
+    model_dir = hf_checkpoint("llama")
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=64))
+    # A step of more rows than fit the CPU's cache runs the MLP in blocks; 7 rows here, so the prompt
+    # steps (about 150 rows) run in blocks, some uneven, and the decode steps (4 rows) in one.
+    engine.model.mlp_rows = 7
+    prompts = random_prompts(4, (20, 60), seed=5)
+    done = engine.generate(prompts, GREEDY, StoppingParams(max_new_tokens=12, ignore_eos=True))
+    compared = sum(assert_matches_reference(r.token_ids, r.logprobs, hf_greedy(model_dir, p, 12))
+                   for p, r in zip(prompts, done))
+    assert compared >= 40, f"compared only {compared} tokens"
+
+
+def test_the_mlp_block_keeps_its_output_within_half_the_last_level_cache():
+    from kvmesh.services.worker.model import MIN_MLP_BLOCK_ROWS, last_level_cache_bytes, mlp_block_rows
+
+    cpu = torch.device("cpu")
+    cache = last_level_cache_bytes() or 32 << 20
+    rows = mlp_block_rows(2048, 4, cpu)  # the benchmark model in float32: 16 KiB of gate|up output a row
+    assert rows == max(MIN_MLP_BLOCK_ROWS, cache // 2 // (16 << 10))
+    assert mlp_block_rows(2048, 2, cpu) == max(MIN_MLP_BLOCK_ROWS, cache // 2 // (8 << 10))
+    assert mlp_block_rows(1 << 20, 4, cpu) == MIN_MLP_BLOCK_ROWS  # never fewer rows than the products run well at
+    assert mlp_block_rows(2048, 4, torch.device("meta")) > 1 << 40  # no blocks off the CPU

@@ -9,6 +9,12 @@ multiplies in float32 (`kernels.linear.half_linear_dtype`). On an AVX-512 or AVX
 matrices are also kept in the layout of kvmesh's few-rows kernel, which takes decode steps' products
 (`kernels.linear.small_rows_limit`) at the memory's speed where oneDNN's read the weights more slowly.
 
+On the CPU, a step of more rows than fit the last-level cache runs each layer's MLP in blocks of
+rows (`mlp_block_rows`): the gate|up product's output of a 2,048-token float32 step of the
+benchmark model is 32 MiB, the whole L3 of a Zen 4's two cores, and its MLP took 8% longer per row
+than in 1,024-row blocks (10% at 4,096 rows), which made big prompt steps cost more per token
+than small ones (docs/benchmarks.md).
+
 On the CPU, a layer's elementwise steps (RMSNorm, the rotary embedding, SiLU(gate) * up) are
 kvmesh's fused C++ operators (`kernels/csrc/fused_ops.cpp`), one pass each where torch runs three
 to eight operators, rounding where transformers' operators round (RMSNorm sums a row in another
@@ -23,6 +29,7 @@ kernels on the CPU, its Triton kernels on CUDA, torch's attention where neither 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -110,6 +117,7 @@ class CausalLM:
         # kvmesh's fused RMSNorm, rotary and SiLU-mul on the CPU (torch's operators elsewhere);
         # found or compiled now, at load, rather than in the first request
         self.fused = native.fused_ops() if self.device.type == "cpu" else None
+        self.mlp_rows = mlp_block_rows(cfg.intermediate_size, _itemsize(dtype), self.device)
         self.scale = cfg.head_dim**-0.5
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * rope_inv_freq(cfg)[None, :]
@@ -217,16 +225,53 @@ class CausalLM:
                 write_kv(k_cache[i], v_cache[i], kv_slots, k[kv_rows], v[kv_rows])
             attn = attention(q, k_cache[i], v_cache[i], self.scale)
             x = layer.o(attn.reshape(t, q_size), residual=x)
-            h = self._rms_norm(x, layer.post_attention_norm)
-            gate_up = layer.gate_up(h)
-            if fused is not None:
-                act = fused.silu_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate).mul_(up)
-            x = layer.down(act, residual=x)
+            if t <= self.mlp_rows:
+                x = self._mlp(layer, x)
+            else:  # in even blocks of rows (the MLP is row by row: each block's rows of x are its own)
+                block = -(-t // -(-t // self.mlp_rows))
+                for s in range(0, t, block):
+                    x[s : s + block] = self._mlp(layer, x[s : s + block])
         x = self._rms_norm(x[batch.logit_rows], self.norm)
         return self.lm_head(x).float()
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """x + down(SiLU(gate(norm(x))) * up(norm(x))): the layer's second half."""
+        gate_up = layer.gate_up(self._rms_norm(x, layer.post_attention_norm))
+        if self.fused is not None:
+            act = self.fused.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up)
+        return layer.down(act, residual=x)
+
+
+MIN_MLP_BLOCK_ROWS = 256  # fewer rows a product would run below the matrix units' speed
+
+
+def mlp_block_rows(intermediate_size: int, itemsize: int, device: torch.device) -> int:
+    """The most rows one MLP call takes: on the CPU, as many as keep the gate|up product's output
+    within half the last-level cache (the other half for the weights streaming through, the input
+    and SiLU's output), at least MIN_MLP_BLOCK_ROWS; no limit elsewhere."""
+    if device.type != "cpu":
+        return 1 << 62
+    per_row = 2 * intermediate_size * itemsize
+    return max(MIN_MLP_BLOCK_ROWS, (last_level_cache_bytes() or 32 << 20) // 2 // per_row)
+
+
+@cache
+def last_level_cache_bytes() -> int:
+    """The size of the largest cache Linux reports for the first CPU (shared by its cores), 0 if none."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if unit > 1 else text
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=0)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
