@@ -24,7 +24,11 @@ the queue before its first step, and the mean time from then to its first token 
 router's `kvmesh_request_queue_time_seconds` and `..._prefill_time_seconds`, where the queue time
 runs from the scheduler's receipt and so includes waiting for the step in flight; vLLM:
 `vllm:request_queue_time_seconds` and `vllm:request_prefill_time_seconds`, where it runs from
-its engine's receipt, which comes between steps).
+its engine's receipt, which comes between steps). And, at a finite rate, where the server's work
+went while requests were still arriving, from the client's per-request record (`--save-detailed`):
+the prompt tokens whose first token had come by the last arrival, the output tokens streamed by
+then, and when the last first token came. Near saturation the server that spends fewer steps'
+rows on decodes while prompts wait has the shorter queue (docs/benchmarks.md).
 
 `--kvmesh-args=--scheduler-arg=--max-queue-wait-s=0` turns off kvmesh's overload refusal: with
 its defaults, a burst sent right after start was mostly refused at submit (docs/benchmarks.md).
@@ -139,12 +143,38 @@ def _bench_pass(vllm_python: str, model: str, http_port: int, rate: str, num_pro
                "--base-url", f"http://127.0.0.1:{http_port}", "--model", "bench", "--tokenizer", model,
                "--dataset-name", "random", "--random-input-len", "264", "--random-output-len", "136",
                "--random-range-ratio", "0.9", "--num-prompts", str(num_prompts), "--request-rate", rate,
-               "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", str(out),
+               "--ignore-eos", "--seed", str(seed), "--save-result", "--save-detailed", "--result-dir", str(out),
                "--result-filename", "result.json"]
     # without VLLM_TARGET_DEVICE=cpu the client loads vLLM's AVX-512 kernels, SIGILL on an AVX2-only CPU
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
     return json.loads((out / "result.json").read_text())
+
+
+def work_by_last_arrival(r: dict) -> tuple[float, int, int, float]:
+    """(seconds from the first request sent to the last, prompt tokens whose first token had come
+    by then, output tokens streamed by then, seconds to the last first token), from a pass's
+    detailed result: where the server's work went while requests were still arriving."""
+    starts = r["start_times"]
+    t0, arrivals_end = min(starts), max(starts)
+    prompt = output = 0
+    last_first = 0.0
+    for start, ttft, itls, n_in, n_out in zip(starts, r["ttfts"], r["itls"], r["input_lens"], r["output_lens"]):
+        if not ttft:
+            continue  # failed
+        first = start + ttft
+        last_first = max(last_first, first - t0)
+        if first > arrivals_end:
+            continue
+        prompt += n_in
+        chunks, t = 1, first
+        for gap in itls:
+            t += gap
+            if t > arrivals_end:
+                break
+            chunks += 1
+        output += round(n_out * chunks / (len(itls) + 1))  # a chunk may carry several tokens
+    return arrivals_end - t0, prompt, output, last_first
 
 
 def main() -> None:
@@ -183,6 +213,12 @@ def main() -> None:
                               f"mean queue {mean_s(before, after, 'queue'):6.3f} s, then to the first token "
                               f"{mean_s(before, after, 'prefill'):6.3f} s  "
                               f"({r['completed']} done, {r['failed']} failed)", file=sys.stderr, flush=True)
+                        if rate != "inf":
+                            span, prompt, output, last_first = work_by_last_arrival(r)
+                            print(f"  {system:<6} rate {rate:>4} pass {i + 1}: by the last arrival ({span:.1f} s) "
+                                  f"{prompt} prompt tokens had their first token and {output} output tokens "
+                                  f"had streamed; the last first token came at {last_first:.1f} s",
+                                  file=sys.stderr, flush=True)
             finally:
                 stop(proc)
     for rate in rates:
