@@ -188,6 +188,7 @@ def main() -> None:
     ap.add_argument("--http-port", type=int, default=18080)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both servers' model dtype")
     ap.add_argument("--kvmesh-args", default="", help="more `kvmesh up` arguments, space-separated")
+    ap.add_argument("--results-dir", help="keep each pass's detailed result here as SYSTEM-RATE-PASS.json")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from kvmesh.modelgen import bench_model_dir
@@ -208,6 +209,9 @@ def main() -> None:
                                        seed=i * len(rates) + j)
                         after = histogram_sums(args.http_port, system)
                         results.setdefault((system, rate), []).append(r)
+                        if args.results_dir:
+                            Path(args.results_dir).mkdir(parents=True, exist_ok=True)
+                            (Path(args.results_dir) / f"{system}-{rate}-{i + 1}.json").write_text(json.dumps(r))
                         print(f"  {system:<6} rate {rate:>4} pass {i + 1}: output {r['output_throughput']:7.1f} tok/s  "
                               f"TTFT p50 {r['median_ttft_ms']:8.0f} ms  TPOT p50 {r['median_tpot_ms']:6.0f} ms  "
                               f"mean queue {mean_s(before, after, 'queue'):6.3f} s, then to the first token "
