@@ -27,8 +27,8 @@ runs from the scheduler's receipt and so includes waiting for the step in flight
 its engine's receipt, which comes between steps). And, at a finite rate, where the server's work
 went while requests were still arriving, from the client's per-request record (`--save-detailed`):
 the prompt tokens whose first token had come by the last arrival, the output tokens streamed by
-then, and when the last first token came. Near saturation the server that spends fewer steps'
-rows on decodes while prompts wait has the shorter queue (docs/benchmarks.md).
+then, and when the last first token came: how each server split its work between prompts and
+decodes while requests arrived, which near saturation moves TTFT more than output (docs/benchmarks.md).
 
 `--kvmesh-args=--scheduler-arg=--max-queue-wait-s=0` turns off kvmesh's overload refusal: with
 its defaults, a burst sent right after start was mostly refused at submit (docs/benchmarks.md).
