@@ -228,7 +228,8 @@ class CausalLM:
             if t <= self.mlp_rows:
                 x = self._mlp(layer, x)
             else:  # in even blocks of rows (the MLP is row by row: each block's rows of x are its own)
-                block = -(-t // -(-t // self.mlp_rows))
+                blocks = -(-t // self.mlp_rows)
+                block = -(-t // blocks)
                 for s in range(0, t, block):
                     x[s : s + block] = self._mlp(layer, x[s : s + block])
         x = self._rms_norm(x[batch.logit_rows], self.norm)
