@@ -22,10 +22,11 @@
 // but no AVX-512 (AMD Zen 1-3, older Intel), the same one-pass algorithm in 8-lane vectors takes
 // every head size `run` is compiled for (AMD EPYC, one thread, 32 sequences of 600 tokens, 12
 // heads over 4 of 64: float32 11.5 -> 7.1 ms per call, bfloat16 10.7 -> 4.6 ms; the cheap model's
-// 16-wide heads, 128 sequences, two threads: 3.1 -> 2.1 ms); there the next block's rows are
-// prefetched while a block is computed (`Ahead`; AMD EPYC Zen 3, kernel alone: 10-20% less time
-// per call, docs/benchmarks.md), and so they are in the AVX-512 path, into L2 (Zen 4: float32
-// 6.2 -> 3.9 ms, bfloat16 4.4 -> 2.2 ms per call).
+// 16-wide heads, 128 sequences, two threads: 3.1 -> 2.1 ms). The AVX-512 path prefetches the
+// next block's rows into L2 while a block is computed (`Ahead`; Zen 4: float32 6.2 -> 3.9 ms,
+// bfloat16 4.4 -> 2.2 ms per call). The AVX2 path now goes a page at a time, each token's K row
+// once for every query head (heads_avx2: about 1.25x faster than the per-head passes it replaced
+// on an AMD EPYC Zen 3, docs/benchmarks.md).
 //
 // Registered as torch.ops.kvmesh.decode_attention_ (writes into `out`).
 
@@ -54,10 +55,9 @@ namespace {
 // one core) the work stays on the calling thread.
 constexpr int64_t kParallelMinElements = 1 << 17;
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-// Prefetches the next block's K and V rows while this block is computed, a few cache lines at each
-// step of the block's work (AVX2: the weighted sum of V; AVX-512: each 16 keys' scores), whole rows
-// in address order. Without it every block waited on
+#if defined(__AVX512F__)
+// Prefetches the next block's K and V rows while this block is computed (the AVX-512 path), a few
+// cache lines at each step of the block's work (each 16 keys' scores), whole rows in address order. Without it every block waited on
 // memory first and computed after: a block's rows for one KV head are 256-byte pieces at the
 // row's stride (1 KiB for the benchmark model), which the hardware prefetchers follow badly (read
 // so, K and V arrive at about 15 GB/s on an AMD EPYC Zen 3 core; whole rows in order, 21-24). The
@@ -66,7 +66,7 @@ constexpr int64_t kParallelMinElements = 1 << 17;
 // the AVX-512 path fetches into L2 (_MM_HINT_T1): a float32 block of the benchmark model's K and
 // V is 64 KiB, twice an L1, and fetched into L1 it was evicted before use (AMD EPYC Zen 4, one
 // thread, 32 sequences of about 600 tokens: into L1 float32 6.2 -> 6.1 ms per call, bfloat16
-// 4.4 -> 2.6; into L2 3.9 and 2.2). The AVX2 path keeps L1 (_MM_HINT_T0), as measured on Zen 3.
+// 4.4 -> 2.6; into L2 3.9 and 2.2).
 template <int kHint>
 struct Ahead {
   const char* k;
@@ -541,13 +541,9 @@ inline float reduce_max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-// All bits set in lanes [0, c), clear above.
-inline __m256 first_lanes(int64_t c) {
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(c)),
-                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-constexpr int64_t kBlock = 32;  // as in the AVX-512 path: a block of rows stays in cache for the group
+// Tokens per block of the online softmax: one 16-slot page of K and V rows (16 KiB each for the
+// benchmark model in float32) stays in L1 while every query head goes over it.
+constexpr int64_t kRowsAvx2 = 16;
 constexpr int64_t kLanes = 8;  // float32 lanes of a vector: head sizes that are a multiple take this path
 
 // How many 8-lane vectors of a row the weighted sum of V keeps in registers at once (a divisor of
@@ -559,121 +555,126 @@ constexpr int64_t chunk_of(int64_t vecs) {
   return 1;
 }
 
-// One sequence, KV heads [0, heads): as heads_avx512 (same scratch; `scores` holds group x kBlock
-// floats and every 8-lane store stays inside a head's row of it). The dot products of 8 keys run
-// side by side (8 independent FMA chains, the query's vectors loaded once per column), and the
-// weighted sum of V runs one to four tokens side by side, by the row's width. While a block is
-// computed, the next block's rows are prefetched (Ahead); after the last block, the first block of
-// `next_slots` (the next sequence this thread takes, on the same heads; none where null).
+// The scores of HB query heads (queries D floats apart, from q) against one token's K row, the
+// heads' K vectors at `koff` from the row, scaled, into out[0..HB): HB independent FMA chains
+// over the row, then one horizontal reduction for all of them.
+template <typename scalar_t, int64_t kVec, int HB>
+__attribute__((always_inline)) inline void scores_of_row(const float* q, const scalar_t* krow, const int64_t* koff,
+                                                         float scale, float* out) {
+  constexpr int64_t D = kVec * 8;
+  __m256 d[HB];
+#pragma GCC unroll 8
+  for (int i = 0; i < HB; ++i) d[i] = _mm256_mul_ps(_mm256_loadu_ps(q + i * D), load8(krow + koff[i]));
+#pragma GCC unroll 32
+  for (int64_t j = 1; j < kVec; ++j)
+#pragma GCC unroll 8
+    for (int i = 0; i < HB; ++i)
+      d[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + 8 * j), load8(krow + koff[i] + 8 * j), d[i]);
+  if constexpr (HB == 8) {
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum8(d), _mm256_set1_ps(scale)));
+  } else if constexpr (HB == 4) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    _mm_storeu_ps(out, _mm_mul_ps(s, _mm_set1_ps(scale)));
+  } else {
+    for (int i = 0; i < HB; ++i) out[i] = reduce_add8(d[i]) * scale;
+  }
+}
+
+// One sequence, KV heads [0, heads) and their `group` query heads each (nh = heads * group), a
+// page of slots at a time (kRowsAvx2), with an online softmax in float32:
+// - scores: each token's K row is read once, in address order, for every query head (batches of
+//   eight heads, eight FMA chains), while that token's V row and the next block's K row (or the
+//   next sequence's first, `next_slots`, on the same heads) are prefetched, whole rows in order;
+// - the block's weights, the heads in the lanes of `scores` ([kRowsAvx2][nh rounded up to 8]);
+// - the weighted sum of V, one query head at a time over the block's rows (in L1 by then).
+// Every query head's scores used to come from its own pass over the block's rows (eight keys side
+// by side), a quarter of each row per KV head: AMD EPYC Zen 3, one thread, the benchmark model's
+// heads (12 over 4 of 64, float32), rows in L2: 15-18 -> 26 GB/s of K and V; 64 sequences of about
+// 1,200 tokens (157 MB, from memory): 8.7-9.6 -> 10.5-12 GB/s (docs/benchmarks.md).
+// `qf` holds the queries in float32 ([nh][D]); `koff` (nh) and `acc` ([nh][D]) are scratch, `m`
+// and `sums` have room for nh rounded up to 8; on return acc[h] / sums[h] is query head h's output.
 template <typename scalar_t, int64_t kVec>
 void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k_s1, int64_t v_s1,
                 const int64_t* slots, int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads, int64_t group, float scale,
-                float* acc, float* scores, float* m, float* sums, float* kbuf, float* vbuf, const int64_t* next_slots,
+                float* acc, float* scores, float* m, float* sums, int64_t* koff, const int64_t* next_slots,
                 int64_t next_n) {
   constexpr int64_t D = kVec * 8;
-  constexpr bool kWide = std::is_same_v<scalar_t, float>;
+  constexpr int64_t B = kRowsAvx2;
   constexpr int64_t kChunk = chunk_of(kVec);
   constexpr int64_t kSets = kChunk >= 8 ? 1 : (8 + kChunk - 1) / kChunk;
-  Ahead<_MM_HINT_T0> ahead{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v),
-              k_s0 * static_cast<int64_t>(sizeof(scalar_t)), v_s0 * static_cast<int64_t>(sizeof(scalar_t)),
-              (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64};
-  // A block's token is visited heads * group * (kVec / kChunk) times by the weighted sum of V; its
-  // 2 * lines lines of the next block are spread over those visits, so they are all asked for by
-  // the block's end (measured: as good as finishing earlier, and better than a burst).
-  const int64_t visits = heads * group * (kVec / kChunk);
-  const int64_t per_visit = (2 * ahead.lines + visits - 1) / visits;
-  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t h = 0; h < heads * group; ++h) {
-    m[h] = -std::numeric_limits<float>::infinity();
-    sums[h] = 0.f;
-    for (int64_t d = 0; d < D; ++d) acc[h * D + d] = 0.f;
-  }
-  for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
-    const int64_t b = std::min(kBlock, n - t0);
+  const int64_t nh = heads * group, ld = (nh + 7) / 8 * 8;  // scores: [B][ld]
+  const int64_t k_lines = (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;  // a row's lines
+  const int64_t v_lines = (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+  for (int64_t h = 0; h < nh; ++h) koff[h] = (h / group) * k_s1;
+  for (int64_t h = 0; h < ld; ++h) m[h] = -std::numeric_limits<float>::infinity(), sums[h] = 0.f;
+  for (int64_t t = 0; t < B; ++t)
+    for (int64_t h = nh; h < ld; ++h) scores[t * ld + h] = 0.f;  // lanes past the heads stay finite
+  for (int64_t i = 0; i < nh * D; ++i) acc[i] = 0.f;
+  for (int64_t t0 = 0; t0 < n; t0 += B) {
+    const int64_t b = std::min(B, n - t0);
     const int64_t* block = slots + t0;
-    if (t0 + b < n)
-      ahead.start(block + b, std::min(kBlock, n - t0 - b));
-    else
-      ahead.start(next_slots, next_slots ? std::min(kBlock, next_n) : 0);
-    for (int64_t kvh = 0; kvh < heads; ++kvh) {
-      const scalar_t* kh = k + kvh * k_s1;
-      const scalar_t* vh = v + kvh * v_s1;
-      if constexpr (!kWide) {  // half precision: widen the block's rows once, not once per query head
-        for (int64_t t = 0; t < b; ++t) {
-          const scalar_t* key = kh + block[t] * k_s0;
-          const scalar_t* value = vh + block[t] * v_s0;
-          for (int64_t j = 0; j < kVec; ++j) {
-            _mm256_storeu_ps(kbuf + t * D + 8 * j, load8(key + 8 * j));
-            _mm256_storeu_ps(vbuf + t * D + 8 * j, load8(value + 8 * j));
-          }
-        }
+    const bool last = t0 + B >= n;
+    const int64_t* ahead = last ? next_slots : block + B;
+    const int64_t ahead_rows = last ? (next_slots ? std::min(B, next_n) : 0) : std::min(B, n - t0 - B);
+    for (int64_t t = 0; t < b; ++t) {
+      const char* vr = reinterpret_cast<const char*>(v + block[t] * v_s0);
+      for (int64_t l = 0; l < v_lines; ++l) _mm_prefetch(vr + 64 * l, _MM_HINT_T0);
+      if (t < ahead_rows) {
+        const char* kr = reinterpret_cast<const char*>(k + ahead[t] * k_s0);
+        for (int64_t l = 0; l < k_lines; ++l) _mm_prefetch(kr + 64 * l, _MM_HINT_T0);
       }
-      auto key_row = [&](int64_t t) -> const float* {
-        if constexpr (kWide) return kh + block[t] * k_s0; else return kbuf + t * D;
-      };
-      auto value_row = [&](int64_t t) -> const float* {
-        if constexpr (kWide) return vh + block[t] * v_s0; else return vbuf + t * D;
-      };
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kvh * group + g;
-        const float* qh = qf + h * D;
-        float* sg = scores + g * kBlock;
-        __m256 maxv = minus_inf;
-        for (int64_t i0 = 0; i0 < b; i0 += 8) {
-          const int64_t c = std::min<int64_t>(8, b - i0);
-          const float* keys[8];
-          for (int64_t i = 0; i < 8; ++i) keys[i] = key_row(i0 + std::min(i, c - 1));  // lanes past c are masked
-          __m256 dots[8];
-          const __m256 q0 = _mm256_loadu_ps(qh);
-          for (int64_t i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(q0, _mm256_loadu_ps(keys[i]));
-          for (int64_t j = 1; j < kVec; ++j) {
-            const __m256 qj = _mm256_loadu_ps(qh + 8 * j);
-            for (int64_t i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(keys[i] + 8 * j), dots[i]);
-          }
-          __m256 sc = _mm256_mul_ps(sum8(dots), _mm256_set1_ps(scale));
-          if (c < 8) sc = _mm256_blendv_ps(minus_inf, sc, first_lanes(c));
-          _mm256_storeu_ps(sg + i0, sc);
-          maxv = _mm256_max_ps(maxv, sc);
-        }
-        const float m_new = std::max(m[h], reduce_max8(maxv));
-        const float alpha = std::exp(m[h] - m_new);  // 0 on the first block (m = -inf)
-        const __m256 mv = _mm256_set1_ps(m_new);
-        __m256 sumv = _mm256_setzero_ps();
-        for (int64_t t = 0; t < b; t += 8) {
-          __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
-          if (b - t < 8) e = _mm256_and_ps(e, first_lanes(b - t));
-          _mm256_storeu_ps(sg + t, e);
-          sumv = _mm256_add_ps(sumv, e);
-        }
-        sums[h] = sums[h] * alpha + reduce_add8(sumv);
-        m[h] = m_new;
-        const __m256 a = _mm256_set1_ps(alpha);
+      const scalar_t* krow = k + block[t] * k_s0;
+      float* st = scores + t * ld;
+      int64_t h = 0;
+      for (; h + 8 <= nh; h += 8) scores_of_row<scalar_t, kVec, 8>(qf + h * D, krow, koff + h, scale, st + h);
+      for (; h + 4 <= nh; h += 4) scores_of_row<scalar_t, kVec, 4>(qf + h * D, krow, koff + h, scale, st + h);
+      for (; h < nh; ++h) scores_of_row<scalar_t, kVec, 1>(qf + h * D, krow, koff + h, scale, st + h);
+    }
+    // The block's weights, eight heads at a time; `m` and `sums` take the block in, `alpha` is each
+    // head's rescale of its accumulator.
+    alignas(32) float alpha[8];
+    for (int64_t h0 = 0; h0 < ld; h0 += 8) {
+      __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < b; ++t) top = _mm256_max_ps(top, _mm256_loadu_ps(scores + t * ld + h0));
+      const __m256 m_old = _mm256_loadu_ps(m + h0), m_new = _mm256_max_ps(m_old, top);
+      __m256 total = _mm256_setzero_ps();
+      for (int64_t t = 0; t < b; ++t) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t * ld + h0), m_new));
+        _mm256_storeu_ps(scores + t * ld + h0, e);
+        total = _mm256_add_ps(total, e);
+      }
+      const __m256 a = exp8(_mm256_sub_ps(m_old, m_new));  // ~0 on the first block (m = -inf)
+      _mm256_storeu_ps(m + h0, m_new);
+      _mm256_storeu_ps(sums + h0, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(sums + h0), a), total));
+      _mm256_store_ps(alpha, a);
+      for (int64_t h = h0; h < std::min(h0 + 8, nh); ++h) {
+        const scalar_t* vh = v + (h / group) * v_s1;
+        const __m256 scale_acc = _mm256_set1_ps(alpha[h - h0]);
         float* ah = acc + h * D;
         for (int64_t j0 = 0; j0 < kVec; j0 += kChunk) {
           __m256 sets[kSets][kChunk];
           for (int64_t j = 0; j < kChunk; ++j) {
-            sets[0][j] = _mm256_mul_ps(a, _mm256_loadu_ps(ah + 8 * (j0 + j)));
+            sets[0][j] = _mm256_mul_ps(scale_acc, _mm256_loadu_ps(ah + 8 * (j0 + j)));
             for (int64_t u = 1; u < kSets; ++u) sets[u][j] = _mm256_setzero_ps();
           }
           int64_t t = 0;
           for (; t + kSets <= b; t += kSets) {
             for (int64_t u = 0; u < kSets; ++u) {
-              ahead.step(per_visit);
-              const float* value = value_row(t + u) + 8 * j0;
-              const __m256 p = _mm256_set1_ps(sg[t + u]);
-              for (int64_t j = 0; j < kChunk; ++j) sets[u][j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * j), sets[u][j]);
+              const scalar_t* value = vh + block[t + u] * v_s0 + 8 * j0;
+              const __m256 p = _mm256_set1_ps(scores[(t + u) * ld + h]);
+              for (int64_t j = 0; j < kChunk; ++j) sets[u][j] = _mm256_fmadd_ps(p, load8(value + 8 * j), sets[u][j]);
             }
           }
           for (; t < b; ++t) {
-            ahead.step(per_visit);
-            const float* value = value_row(t) + 8 * j0;
-            const __m256 p = _mm256_set1_ps(sg[t]);
-            for (int64_t j = 0; j < kChunk; ++j) sets[0][j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * j), sets[0][j]);
+            const scalar_t* value = vh + block[t] * v_s0 + 8 * j0;
+            const __m256 p = _mm256_set1_ps(scores[t * ld + h]);
+            for (int64_t j = 0; j < kChunk; ++j) sets[0][j] = _mm256_fmadd_ps(p, load8(value + 8 * j), sets[0][j]);
           }
           for (int64_t j = 0; j < kChunk; ++j) {
-            __m256 total = sets[0][j];
-            for (int64_t u = 1; u < kSets; ++u) total = _mm256_add_ps(total, sets[u][j]);
-            _mm256_storeu_ps(ah + 8 * (j0 + j), total);
+            __m256 total_j = sets[0][j];
+            for (int64_t u = 1; u < kSets; ++u) total_j = _mm256_add_ps(total_j, sets[u][j]);
+            _mm256_storeu_ps(ah + 8 * (j0 + j), total_j);
           }
         }
       }
@@ -712,20 +713,23 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // Sequences differ in length, and a thread may be taken off its core: items go out in claims.
   struct Scratch {
     std::vector<float> qf, acc, sums, maxes, scores;
-    std::vector<float> kbuf, vbuf;  // a block of K and V rows widened to float32 (half precision only)
+    std::vector<float> kbuf, vbuf;  // a block of K and V rows widened to float32 (AVX-512, half precision only)
+    std::vector<int64_t> koff;      // each query head's K offset in a row (AVX2)
   };
   auto scratch = [&] {
     Scratch st;
     st.qf.resize(kv_heads * group * head_dim), st.acc.resize(kv_heads * group * head_dim);
-    st.sums.resize(kv_heads * group), st.maxes.resize(kv_heads * group);
-#if defined(__AVX512F__) || defined(__AVX2__)
+    // room for the heads rounded up to 8 (the AVX2 path's softmax takes 8 heads at a time)
+    st.sums.resize((kv_heads * group + 7) / 8 * 8), st.maxes.resize((kv_heads * group + 7) / 8 * 8);
+#if defined(__AVX512F__)
     if constexpr (!std::is_same_v<scalar_t, float>) st.kbuf.resize(kBlock * head_dim), st.vbuf.resize(kBlock * head_dim);
+#elif defined(__AVX2__)
+    st.koff.resize(kv_heads * group);
 #endif
     return st;
   };
   kvmesh::parallel_claims(work_items, grain, scratch, [&](Scratch& st, int64_t begin, int64_t end) {
     auto &qf = st.qf, &acc = st.acc, &sums = st.sums, &maxes = st.maxes, &scores = st.scores;
-    auto &kbuf = st.kbuf, &vbuf = st.vbuf;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t items_per_seq = kv_heads / heads_per_item;
       const int64_t s = work / items_per_seq, kv0 = (work % items_per_seq) * heads_per_item;
@@ -737,19 +741,20 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           const scalar_t* src = qp + row * q_s0 + (h0 + h) * q_s1;
           for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]);
         }
-        scores.resize(group * kBlock);
         // The next sequence this thread takes reads the same heads' pointers where items are whole rows.
         const bool next = whole_rows && work + 1 < end;
 #if defined(__AVX512F__)
+        scores.resize(group * kBlock);
         heads_avx512<scalar_t, kHeadDim / 16>(qf.data(), qp + row * q_s0 + h0 * q_s1, q_s1, kp + kv0 * k_s1,
                                               vp + kv0 * v_s1, k_s1, v_s1, slots + first, n, k_s0, v_s0,
                                               heads_per_item, group, fscale, acc.data(), scores.data(), maxes.data(),
-                                              sums.data(), kbuf.data(), vbuf.data(), next ? slots + ptr[s + 1] : nullptr,
+                                              sums.data(), st.kbuf.data(), st.vbuf.data(), next ? slots + ptr[s + 1] : nullptr,
                                               next ? ptr[s + 2] - ptr[s + 1] : 0);
 #else
+        scores.resize(kRowsAvx2 * ((nh + 7) / 8 * 8));
         heads_avx2<scalar_t, kHeadDim / 8>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
                                            k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
-                                           maxes.data(), sums.data(), kbuf.data(), vbuf.data(),
+                                           maxes.data(), sums.data(), st.koff.data(),
                                            next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
 #endif
         for (int64_t h = 0; h < nh; ++h) {
