@@ -1,9 +1,9 @@
 """Decode attention alone: one layer's call for a step of decoding sequences, kernel against torch.
 
-    cd bench && ../.venv/bin/python decode_attention.py [SEQUENCES [MEAN_CONTEXT [THREADS]]]
+    cd bench && ../.venv/bin/python decode_attention.py [SEQUENCES [MEAN_CONTEXT [THREADS [HEADS,KV_HEADS,DIM]]]]
 
-The benchmark model's shapes (12 query heads, 4 KV heads of 64), pages of 16 scattered over the
-pool, contexts uniform in [mean/2, 3*mean/2] (seed 0). Prints milliseconds per call (median of
+The benchmark model's shapes by default (12 query heads, 4 KV heads of 64; the cheap model's are
+4,2,16), pages of 16 scattered over the pool, contexts uniform in [mean/2, 3*mean/2] (seed 0). Prints milliseconds per call (median of
 25 after 3 warm-up calls, CPU time of the calling process, which a busy machine inflates less
 than wall time) for kvmesh's C++ kernel and for torch's SDPA per sequence, in float32 and
 bfloat16, and the bytes of K and V the step reads per millisecond.
@@ -58,9 +58,11 @@ def main() -> None:
     num_seqs = int(sys.argv[1]) if len(sys.argv) > 1 else 32
     mean = int(sys.argv[2]) if len(sys.argv) > 2 else 600
     torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
-    print(f"{num_seqs} decoding sequences, contexts around {mean}, {torch.get_num_threads()} thread(s)")
+    heads, kv_heads, dim = (int(x) for x in (sys.argv[4] if len(sys.argv) > 4 else "12,4,64").split(","))
+    print(f"{num_seqs} decoding sequences, contexts around {mean}, {torch.get_num_threads()} thread(s), "
+          f"{heads} query heads over {kv_heads} KV heads of {dim}")
     for dtype in (torch.float32, torch.bfloat16):
-        q, k, v, seqs, nbytes = case(num_seqs, mean, dtype)
+        q, k, v, seqs, nbytes = case(num_seqs, mean, dtype, heads=heads, kv_heads=kv_heads, dim=dim)
         plan = AttentionPlan(seqs)
         assert native.decode_attention() is not None and len(plan.decodes) == num_seqs
         kernel = timed(lambda: plan(q, k, v, 0.125))

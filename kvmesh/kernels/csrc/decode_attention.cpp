@@ -25,8 +25,8 @@
 // 16-wide heads, 128 sequences, two threads: 3.1 -> 2.1 ms). The AVX-512 path prefetches the
 // next block's rows into L2 while a block is computed (`Ahead`; Zen 4: float32 6.2 -> 3.9 ms,
 // bfloat16 4.4 -> 2.2 ms per call). The AVX2 path now goes a page at a time, each token's K row
-// once for every query head (heads_avx2: about 1.25x faster than the per-head passes it replaced
-// on an AMD EPYC Zen 3, docs/benchmarks.md).
+// once for every query head (heads_avx2: 1.4-1.5x less time per call on one thread than the
+// per-head passes it replaced, 1.3-1.6x with 16-wide heads; AMD EPYC Zen 3, docs/benchmarks.md).
 //
 // Registered as torch.ops.kvmesh.decode_attention_ (writes into `out`).
 
