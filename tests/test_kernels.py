@@ -122,6 +122,22 @@ def test_decode_kernel_equals_reference(dim, heads, kv_heads):
     torch.testing.assert_close(plan(q, kc, vc, dim**-0.5), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(12, 4), (14, 2), (4, 4)])
+def test_decode_kernel_gives_the_same_bits_however_its_work_is_split(heads, kv_heads):
+    # One thread takes each sequence with all its heads; four threads, with five sequences, take
+    # (sequence, KV head) pairs: every query head's output must come out bit for bit the same.
+    q, kc, vc, seqs, _ = build_case(DECODES, heads=heads, kv_heads=kv_heads, dim=64, seed=heads)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = AttentionPlan(seqs)(q, kc, vc, 0.125)
+        torch.set_num_threads(4)
+        split = AttentionPlan(seqs)(q, kc, vc, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, split)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim,heads,kv_heads", [(32, 4, 2), (64, 8, 2), (128, 12, 4), (40, 4, 4), (16, 4, 2), (20, 4, 2)])
 def test_decode_kernel_in_half_precision_equals_the_reference_on_the_same_inputs(dtype, dim, heads, kv_heads):

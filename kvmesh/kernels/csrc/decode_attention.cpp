@@ -57,16 +57,16 @@ constexpr int64_t kParallelMinElements = 1 << 17;
 
 #if defined(__AVX512F__)
 // Prefetches the next block's K and V rows while this block is computed (the AVX-512 path), a few
-// cache lines at each step of the block's work (each 16 keys' scores), whole rows in address order. Without it every block waited on
-// memory first and computed after: a block's rows for one KV head are 256-byte pieces at the
-// row's stride (1 KiB for the benchmark model), which the hardware prefetchers follow badly (read
-// so, K and V arrive at about 15 GB/s on an AMD EPYC Zen 3 core; whole rows in order, 21-24). The
-// lines are spread over the block's steps rather than issued at its start: a burst of a thousand
-// prefetches waits on the core's few miss buffers and gained nothing. `kHint` is the cache level:
-// the AVX-512 path fetches into L2 (_MM_HINT_T1): a float32 block of the benchmark model's K and
-// V is 64 KiB, twice an L1, and fetched into L1 it was evicted before use (AMD EPYC Zen 4, one
-// thread, 32 sequences of about 600 tokens: into L1 float32 6.2 -> 6.1 ms per call, bfloat16
-// 4.4 -> 2.6; into L2 3.9 and 2.2).
+// cache lines at each step of the block's work (each 16 keys' scores), whole rows in address
+// order. Without it every block waited on memory first and computed after: a block's rows for one
+// KV head are 256-byte pieces at the row's stride (1 KiB for the benchmark model), which the
+// hardware prefetchers follow badly (read so, K and V arrive at about 15 GB/s on an AMD EPYC Zen 3
+// core; whole rows in order, 21-24). The lines are spread over the block's steps rather than
+// issued at its start: a burst of a thousand prefetches waits on the core's few miss buffers and
+// gained nothing. `kHint` is the cache level: the AVX-512 path fetches into L2 (_MM_HINT_T1): a
+// float32 block of the benchmark model's K and V is 64 KiB, twice an L1, and fetched into L1 it
+// was evicted before use (AMD EPYC Zen 4, one thread, 32 sequences of about 600 tokens: into L1
+// float32 6.2 -> 6.1 ms per call, bfloat16 4.4 -> 2.6; into L2 3.9 and 2.2).
 template <int kHint>
 struct Ahead {
   const char* k;
@@ -541,8 +541,9 @@ inline float reduce_max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Tokens per block of the online softmax: one 16-slot page of K and V rows (16 KiB each for the
-// benchmark model in float32) stays in L1 while every query head goes over it.
+// Tokens per block of the online softmax: 16 slots (a page at the default page size), whose K and
+// V rows (16 KiB each for the benchmark model in float32) stay in L1 while every query head goes
+// over them.
 constexpr int64_t kRowsAvx2 = 16;
 constexpr int64_t kLanes = 8;  // float32 lanes of a vector: head sizes that are a multiple take this path
 
@@ -557,7 +558,9 @@ constexpr int64_t chunk_of(int64_t vecs) {
 
 // The scores of HB query heads (queries D floats apart, from q) against one token's K row, the
 // heads' K vectors at `koff` from the row, scaled, into out[0..HB): HB independent FMA chains
-// over the row, then one horizontal reduction for all of them.
+// over the row, then one horizontal reduction for all of them. Every batch size sums a head's
+// lanes in one order: which batch a head falls in depends on how the call's work was split among
+// the threads, and a team that changes size must not change a token or a logprob.
 template <typename scalar_t, int64_t kVec, int HB>
 __attribute__((always_inline)) inline void scores_of_row(const float* q, const scalar_t* krow, const int64_t* koff,
                                                          float scale, float* out) {
@@ -576,8 +579,11 @@ __attribute__((always_inline)) inline void scores_of_row(const float* q, const s
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     _mm_storeu_ps(out, _mm_mul_ps(s, _mm_set1_ps(scale)));
-  } else {
-    for (int i = 0; i < HB; ++i) out[i] = reduce_add8(d[i]) * scale;
+  } else {  // the lanes summed in sum8's order, so a head's score is the same in any batch
+    for (int i = 0; i < HB; ++i) {
+      const __m256 pairs = _mm256_hadd_ps(d[i], d[i]), quads = _mm256_hadd_ps(pairs, pairs);
+      out[i] = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1))) * scale;
+    }
   }
 }
 
@@ -604,8 +610,7 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
   constexpr int64_t kChunk = chunk_of(kVec);
   constexpr int64_t kSets = kChunk >= 8 ? 1 : (8 + kChunk - 1) / kChunk;
   const int64_t nh = heads * group, ld = (nh + 7) / 8 * 8;  // scores: [B][ld]
-  const int64_t k_lines = (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;  // a row's lines
-  const int64_t v_lines = (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+  const int64_t lines = (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;  // of a K (or V) row
   for (int64_t h = 0; h < nh; ++h) koff[h] = (h / group) * k_s1;
   for (int64_t h = 0; h < ld; ++h) m[h] = -std::numeric_limits<float>::infinity(), sums[h] = 0.f;
   for (int64_t t = 0; t < B; ++t)
@@ -619,10 +624,10 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
     const int64_t ahead_rows = last ? (next_slots ? std::min(B, next_n) : 0) : std::min(B, n - t0 - B);
     for (int64_t t = 0; t < b; ++t) {
       const char* vr = reinterpret_cast<const char*>(v + block[t] * v_s0);
-      for (int64_t l = 0; l < v_lines; ++l) _mm_prefetch(vr + 64 * l, _MM_HINT_T0);
+      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(vr + 64 * l, _MM_HINT_T0);
       if (t < ahead_rows) {
         const char* kr = reinterpret_cast<const char*>(k + ahead[t] * k_s0);
-        for (int64_t l = 0; l < k_lines; ++l) _mm_prefetch(kr + 64 * l, _MM_HINT_T0);
+        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(kr + 64 * l, _MM_HINT_T0);
       }
       const scalar_t* krow = k + block[t] * k_s0;
       float* st = scores + t * ld;
@@ -748,8 +753,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         heads_avx512<scalar_t, kHeadDim / 16>(qf.data(), qp + row * q_s0 + h0 * q_s1, q_s1, kp + kv0 * k_s1,
                                               vp + kv0 * v_s1, k_s1, v_s1, slots + first, n, k_s0, v_s0,
                                               heads_per_item, group, fscale, acc.data(), scores.data(), maxes.data(),
-                                              sums.data(), st.kbuf.data(), st.vbuf.data(), next ? slots + ptr[s + 1] : nullptr,
-                                              next ? ptr[s + 2] - ptr[s + 1] : 0);
+                                              sums.data(), st.kbuf.data(), st.vbuf.data(),
+                                              next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
 #else
         scores.resize(kRowsAvx2 * ((nh + 7) / 8 * 8));
         heads_avx2<scalar_t, kHeadDim / 8>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
