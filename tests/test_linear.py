@@ -213,25 +213,24 @@ def build_limit() -> int:
 
 
 def default_limit(dtype) -> int:
-    """Rows a layer gives the kernel by default: the build's, but one for bfloat16 where the CPU has
-    AMX (oneDNN multiplies bfloat16 on its tiles, faster from two rows)."""
-    return 1 if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags() else build_limit()
+    """Rows a layer gives the kernel by default: the build's, but 128 for bfloat16 where the CPU has
+    AMX (the kernel multiplies on the tile units there; oneDNN's tile kernels are faster beyond)."""
+    return linear_module.AMX_BF16_ROWS if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags() else build_limit()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("batch", [1, 7, 13, 16, 17, 48, 49, 300])
+@pytest.mark.parametrize("batch", [1, 7, 13, 16, 17, 33, 48, 49, 65, 128, 300])
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_the_few_rows_kernel_equals_float64_linear(shape, batch, with_bias, dtype, small_calls):
-    """Up to the build's limit (48 rows with AVX-512, every product with AVX2) the product is the
-    few-rows kernel's (blocks of 32 or 16 columns, the last one padded; tiles of 12 or 6 rows; rows
-    split among the threads too where there are few blocks), beyond it oneDNN's: both within the
-    dtype's rounding of float64. (Where a layer's default limit is lower, bfloat16 on an AMX CPU,
-    the kernel is held to the build's limit here: other CPUs run it at those rows.)"""
+    """Up to the layer's limit (48 rows with AVX-512, every product with AVX2, 128 for bfloat16 on an
+    AMX CPU) the product is the few-rows kernel's (blocks of 32 or 16 columns, the last one padded;
+    tiles of 12 or 6 rows, rows split among the threads too where there are few blocks; on AMX,
+    pieces of 16 rows on the tile units where in_features is a multiple of 32, the last piece
+    zero-padded), beyond it oneDNN's: both within the dtype's rounding of float64."""
     weight, bias, x = make_case(*shape, batch, dtype, with_bias)
     layer = small_layer(weight, bias)
     assert layer.small_limit == default_limit(dtype)
-    layer.small_limit = build_limit()
     y = layer(x)
     assert y.dtype == dtype and y.shape == (batch, shape[0])
     assert small_calls == ([batch] if batch <= layer.small_limit else [])
@@ -267,16 +266,18 @@ def test_the_few_rows_kernel_adds_the_residual_as_onednn_does(dtype, with_bias, 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, shape, threads):
     """Each output is summed in one order whatever the number of rows and threads: a sequence's
     logits in a decode step are the same bits alone or beside others (48x34 has fewer blocks than
-    threads can share, so many rows are split among the threads by rows as well)."""
+    threads can share, so many rows are split among the threads by rows as well; on AMX, 256x64
+    goes in 16-row pieces on the tile units, the last one zero-padded, and 48x34 does not)."""
     weight, bias, _ = make_case(*shape, 1, dtype, with_bias=True)
     layer = small_layer(weight, bias)
-    layer.small_limit = rows = min(build_limit(), 200)
+    rows = min(layer.small_limit, 200) - 3  # a short last tile (or piece)
     x = make_case(*shape, rows, dtype, with_bias=True)[2]
     kept = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         together = layer(x)
-        for i in (0, 5, 6, 11, 12, 47, 48, 97, rows - 1):  # first and last rows of tiles and chunks
+        assert layer.small_limit >= rows
+        for i in (0, 5, 6, 11, 12, 15, 16, 31, 32, 44, 47, 48, 97, 111, 112, rows - 1):  # tiles' and chunks' edges
             if i < rows:
                 assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
     finally:
@@ -285,16 +286,16 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, shape, threa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_layer_gives_the_kernel_the_rows_it_is_faster_at(dtype, small_calls):
-    """Decode-sized products go to the few-rows kernel, up to the build's limit, except bfloat16 on an
-    AMX CPU: there only single rows do, and two rows already go to oneDNN's tile kernels."""
+    """Decode-sized products go to the few-rows kernel, up to the build's limit, or 128 rows for
+    bfloat16 on an AMX CPU (prompt steps' products go to oneDNN's tile kernels there)."""
     weight, bias, _ = make_case(130, 258, 1, dtype, with_bias=True)
     layer = small_layer(weight, bias)
-    counts = (1, 2, 7, 48, 49, 300)
+    counts = (1, 2, 7, 48, 49, 128, 129, 300)
     for rows in counts:
         layer(make_case(130, 258, rows, dtype, with_bias=True)[2])
     assert small_calls == [r for r in counts if r <= default_limit(dtype)]
     if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
-        assert small_calls == [1]
+        assert small_calls == [1, 2, 7, 48, 49, 128]
 
 
 def test_the_few_rows_kernel_takes_float32_products_of_half_precision_weights():

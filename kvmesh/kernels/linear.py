@@ -48,11 +48,12 @@ log = logging.getLogger("kvmesh.kernels")
 # GFLOP/s, 1,024 rows 147 -> 174), so there it takes every product (None) and its layout replaces
 # oneDNN's: one copy of the weights.
 SMALL_ROWS = {32: 48, 16: None}  # by the build's block width (native.small_linear_columns())
-# Except bfloat16 on a CPU with AMX, whose tile units oneDNN multiplies bfloat16 on: there oneDNN
-# was level with the kernel at 2 rows, 1.1x faster at 3-4, 3.3x at 32 and 7.7x at 1,024 (Intel Xeon
-# with AMX-BF16, two threads, same script); the kernel still reads one row's weights faster (34 GB/s
-# against 24-27), so it keeps single-sequence decode steps.
-AMX_BF16_ROWS = 1
+# Except bfloat16 on a CPU with AMX: there the kernel multiplies on the tile units too (from the same
+# layout, `small_linear.cpp`) and is faster than oneDNN's tile kernels up to about 128 rows, where
+# its weights come from memory (Intel Xeon with AMX-BF16, two threads, same script: 1-16 rows 4.7-6.3
+# ms a pass against 6.5-8.1, 32 rows 1.34-1.41x faster, 64 rows 1.26-1.31x, 128 rows 1.07-1.13x,
+# 160 rows 0.97x); oneDNN keeps prompt steps (at 256 rows 1.3x faster).
+AMX_BF16_ROWS = 128
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
