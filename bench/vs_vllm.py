@@ -17,7 +17,8 @@ Setting up vLLM's CPU build (its own venv; it pins its own torch):
 
 VLLM_CPU_OMP_THREADS_BIND (default here: every core, 0-N) makes vLLM use the cores; kvmesh gets
 --threads torch threads (default: every core). Each system takes steps of its own default size:
-kvmesh 1,024 tokens (--max-batched-tokens), vLLM's CPU build 4,096 offline.
+kvmesh 1,024 tokens (2,048 in bfloat16 on a CPU with AMX; --max-batched-tokens), vLLM's CPU build
+4,096 offline.
 
 KV memory: vLLM zeroes its whole KV cache when it starts, before the timed run; kvmesh's pool is
 mapped lazily and the OS supplies each page on its first write, during the run (a fresh worker
@@ -81,7 +82,8 @@ def kvmesh_pass(work: dict, out: str) -> None:
     started = time.perf_counter()
     done = engine.generate(work["prompts"], SamplingParams(temperature=0), stops)
     elapsed = time.perf_counter() - started
-    json.dump({"elapsed_s": elapsed, "tokens": [c.token_ids for c in done]}, open(out, "w"))
+    json.dump({"elapsed_s": elapsed, "tokens": [c.token_ids for c in done],
+               "step_tokens": engine.scheduler.config.max_batched_tokens}, open(out, "w"))
 
 
 def one_pass(system: str, work_path: str, vllm_python: str, cores: int) -> dict:
@@ -112,8 +114,9 @@ def main() -> None:
     ap.add_argument("--input-len", default="16:512")
     ap.add_argument("--output-len", default="16:256")
     ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-batched-tokens", type=int, default=1024,
-                    help="kvmesh's tokens per step (its default, 1024; vLLM's CPU build takes 4,096 offline)")
+    ap.add_argument("--max-batched-tokens", type=int,
+                    help="kvmesh's tokens per step (default: the engine's, 1024, or 2048 for bfloat16 on a CPU "
+                         "with AMX; vLLM's CPU build takes 4,096 offline)")
     ap.add_argument("--threads", type=int, default=0, help="kvmesh's torch threads (0: torch's default, every core)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", choices=("resident", "lazy"), default="resident",
@@ -147,7 +150,7 @@ def main() -> None:
         rate = {s: statistics.median(total / r["elapsed_s"] for r in rs) for s, rs in runs.items()}
         line = (f"{dtype:<9} kvmesh {rate['kvmesh']:7.1f} output tok/s  vLLM CPU {rate['vllm']:7.1f}  "
                 f"kvmesh / vLLM {rate['kvmesh'] / rate['vllm']:.2f}x  (medians of {args.passes}, {total} output tokens, "
-                f"kvmesh pool {args.pool}, {args.max_batched_tokens}-token steps)")
+                f"kvmesh pool {args.pool}, {runs['kvmesh'][0]['step_tokens']}-token steps)")
         if dtype == "float32":
             a, b = runs["kvmesh"][0]["tokens"], runs["vllm"][0]["tokens"]
             line += f"; greedy outputs identical for {sum(x == y for x, y in zip(a, b))} of {len(a)} prompts"

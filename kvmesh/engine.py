@@ -69,7 +69,12 @@ class LLMEngine:
         num_pages = config.num_pages or KVPool.pages_for_budget(model, config.kv_memory_bytes, config.page_size)
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_pages, config.page_size)
-        self.scheduler = Scheduler(self.pool, config.scheduler)
+        scheduling = config.scheduler
+        if scheduling.max_batched_tokens is None:
+            from kvmesh.services.worker.device import default_step_tokens
+
+            scheduling = replace(scheduling, max_batched_tokens=default_step_tokens(model.device, model.dtype))
+        self.scheduler = Scheduler(self.pool, scheduling)
         self._seeds = random.Random()
 
     @property

@@ -275,3 +275,19 @@ def test_the_last_level_cache_is_read_from_linux():
     size = last_level_cache_bytes()
     # what /sys reports: the largest of the first CPU's caches (0 where it reports none)
     assert size == 0 or size >= 256 << 10, size
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_the_engine_takes_the_models_step_size_unless_given_one(hf_checkpoint, amx, monkeypatch):
+    """1,024 tokens a step, but 2,048 for bfloat16 on a CPU with AMX (oneDNN's tile kernels are
+    slow at a 1,024-token step's rows there); a budget given is kept."""
+    from kvmesh.kernels import native
+
+    monkeypatch.setattr(native, "amx_tiles", lambda: amx)
+    model_dir = hf_checkpoint("llama")
+    steps = {dtype: LLMEngine(EngineConfig(model=model_dir, dtype=dtype, num_pages=16)).scheduler.config.max_batched_tokens
+             for dtype in ("float32", "bfloat16")}
+    assert steps == {"float32": 1024, "bfloat16": 2048 if amx else 1024}
+    given = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_pages=16,
+                                   scheduler=SchedulerConfig(max_batched_tokens=40)))
+    assert given.scheduler.config.max_batched_tokens == 40

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvmesh.params import InvalidRequest
 from kvmesh.services.kvcache.eviction import VICTIM_POLICIES, pick_victim
@@ -30,11 +30,13 @@ from kvmesh.services.scheduler.request import FinishReason, Request, Status
 from kvmesh.step import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 BATCHING_MODES = ("continuous", "static", "static-unpadded")
+DEFAULT_STEP_TOKENS = 1024
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """max_batched_tokens: tokens per step (decode tokens plus prefill chunks).
+    """max_batched_tokens: tokens per step (decode tokens plus prefill chunks); None: 1024, or in
+    the in-process engine the model's own step size (`default_step_tokens`).
     max_num_seqs: running requests at most. victim_policy: which running request is preempted
     when pages run out: newest admitted, lowest priority (then newest), or largest KV.
     aging_s: a waiting request gains one priority point per aging_s seconds (0: no aging).
@@ -50,7 +52,7 @@ class SchedulerConfig:
     (in-batch prefix sharing) only when at least this many of its tokens would come from them; a
     short shared head (a chat template) is not worth the step it would wait."""
 
-    max_batched_tokens: int = 1024
+    max_batched_tokens: int | None = None
     max_num_seqs: int = 128
     victim_policy: str = "newest"
     aging_s: float = 10.0
@@ -67,7 +69,7 @@ class SchedulerConfig:
             raise ValueError(f"aging_s must be >= 0 (0 disables aging), got {self.aging_s}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
-        if self.max_batched_tokens < 1:
+        if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
             raise ValueError(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -94,7 +96,10 @@ class Scheduler:
 
     def __init__(self, pool: PagePool, config: SchedulerConfig | None = None, max_context: int | None = None):
         self.pool = pool
-        self.config = config or SchedulerConfig()
+        config = config or SchedulerConfig()
+        if config.max_batched_tokens is None:
+            config = replace(config, max_batched_tokens=DEFAULT_STEP_TOKENS)
+        self.config = config
         self.max_context = max_context  # the model's; a padding row stops there
         self.waiting: list[Request] = []  # sorted by _admission_key
         self.running: list[Request] = []  # in admission order
