@@ -13,8 +13,11 @@
 // bfloat16 keys go straight into AVX512-BF16 dot products where the CPU has them (2026-12-01, 32
 // sequences of 620 tokens, 12 heads over 4, head_dim 64, two threads: bfloat16 0.96 -> 0.63 ms
 // per call, float32 1.63 -> 1.24 ms), and so do bfloat16 V rows, two tokens at a time against
-// their weights rounded to bfloat16 (pv_bf16; AMD EPYC Zen 4, one thread, 32 sequences of about
-// 600 tokens: 2.95-4.19 -> 2.33-3.44 ms per call over five alternated runs). Without AVX512-BF16
+// their weights rounded to bfloat16 (AMD EPYC Zen 4, one thread, 32 sequences of about 600
+// tokens: 2.95-4.19 -> 2.33-3.44 ms per call over five alternated runs); that path now goes a page
+// at a time, each token's K row once for every query head, the heads' softmax in vector lanes
+// (heads_bf16_pages; Intel Xeon with AMX, 50 sequences of about 350 tokens: one thread 1.46-1.54
+// -> 1.30-1.38 ms per call, two threads 0.79-0.89 -> 0.66-0.74). Without AVX512-BF16
 // (Intel Skylake-SP to Ice Lake), bfloat16 rows are read as stored too, each 32-value load split
 // into its even and odd values as float32 (split32) where they were widened into a float32 copy
 // first (Intel Xeon, Ice Lake, one thread, 32 sequences: about 600 tokens 3.0-3.3 -> 2.2-2.3 ms
@@ -157,27 +160,6 @@ inline __m512 sum16(__m512* x) {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kLanes = 16;  // float32 lanes of a vector: head sizes that are a multiple take this path
 
-// Scores of up to 16 keys against one bfloat16 query with AVX512-BF16 (`vdpbf16ps`: pairs of
-// bfloat16 products, exact, summed into float32 lanes): the keys are read as stored, with no
-// widening to float32. `dots[i]` gets key i's 16 partial sums (sum16 finishes them); keys past
-// `c` get zeros. Only called where the CPU has AVX512-BF16 (checked once, at run time).
-__attribute__((target("avx512f,avx512bf16"))) void dots_bf16(const at::BFloat16* q, const at::BFloat16* k,
-                                                              const int64_t* block, int64_t c, int64_t k_s0,
-                                                              int64_t pairs32, __m512* dots) {
-  __m512bh qb[8];
-  for (int64_t j = 0; j < pairs32; ++j) qb[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
-  for (int64_t i = 0; i < 16; ++i) {
-    if (i >= c) {
-      dots[i] = _mm512_setzero_ps();
-      continue;
-    }
-    const at::BFloat16* key = k + block[i] * k_s0;
-    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], (__m512bh)_mm512_loadu_si512(key));
-    for (int64_t j = 1; j < pairs32; ++j) dot = _mm512_dpbf16_ps(dot, qb[j], (__m512bh)_mm512_loadu_si512(key + 32 * j));
-    dots[i] = dot;
-  }
-}
-
 bool cpu_has_bf16_dot() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
@@ -202,52 +184,9 @@ __attribute__((target("avx512f,avx512bw"))) void interleave_v(const at::BFloat16
   }
 }
 
-// One pair of tokens (t, t + 1) of interleave_v's output into `sum` (pv_bf16).
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void pv_pair(const __m512i* pairs, int64_t t,
-                                                                          const uint16_t* pb, int64_t vecs32,
-                                                                          __m512* sum) {
-  uint32_t weights;
-  std::memcpy(&weights, pb + t, sizeof weights);  // low half: token t's weight, high half: token t + 1's
-  const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights));
-  const __m512i* q = pairs + 2 * (t / 2) * vecs32;
-  for (int64_t j = 0; j < vecs32; ++j) {
-    sum[2 * j] = _mm512_dpbf16_ps(sum[2 * j], w, (__m512bh)_mm512_loadu_si512(q + 2 * j));
-    sum[2 * j + 1] = _mm512_dpbf16_ps(sum[2 * j + 1], w, (__m512bh)_mm512_loadu_si512(q + 2 * j + 1));
-  }
-}
-
-// The weighted sum of a block's bfloat16 V rows (interleave_v's `pairs`) for one query head with
-// AVX512-BF16: each pair of tokens against the pair's weights rounded to bfloat16 (as
-// transformers' bfloat16 attention rounds its probabilities), summed into float32 lanes by
-// `vdpbf16ps`, so V is read as stored. The head's accumulator `acc` (D floats) is kept in pair
-// order: for V vector j (values 32j..32j+31), `acc[32j + 4L + i]` holds value 32j + 8L + i and
-// `acc[32j + 16 + 4L + i]` value 32j + 8L + 4 + i (L = 128-bit lane, i < 4); `natural_order` puts
-// it back. It is scaled by `alpha` first (the online softmax's rescale, lane by lane).
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void pv_bf16(const __m512i* pairs, int64_t b, const float* p,
-                                                                   float alpha, int64_t vecs32, float* acc) {
-  __m512 av[16], bv[16];  // two sets, for alternate pairs: one set would wait on each dot's latency
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (int64_t j = 0; j < 2 * vecs32; ++j) {
-    av[j] = _mm512_mul_ps(a, _mm512_loadu_ps(acc + 16 * j));
-    bv[j] = _mm512_setzero_ps();
-  }
-  alignas(64) uint16_t pb[kBlock + 2];
-  for (int64_t t = 0; t < b; t += 16) {
-    const __mmask16 lanes = b - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b - t)) - 1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, p + t)));
-  }
-  pb[b] = pb[b + 1] = 0;
-  int64_t t = 0;
-  for (; t + 4 <= b; t += 4) {
-    pv_pair(pairs, t, pb, vecs32, av);
-    pv_pair(pairs, t + 2, pb, vecs32, bv);
-  }
-  for (; t < b; t += 2) pv_pair(pairs, t, pb, vecs32, av);
-  for (int64_t j = 0; j < 2 * vecs32; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_add_ps(av[j], bv[j]));
-}
-
-// pv_bf16's pair order back to value order, for one head of D = 32 * vecs32 values.
+// The accumulators' pair order (heads_bf16_pages: for V vector j, values 32j..32j+31, `acc[32j + 4L + i]`
+// holds value 32j + 8L + i and `acc[32j + 16 + 4L + i]` value 32j + 8L + 4 + i, L being the 128-bit
+// lane, i < 4: unpacklo/hi_epi16's order) back to value order, for one head of D = 32 * vecs32 values.
 void natural_order(float* acc, int64_t vecs32) {
   float tmp[32];
   for (int64_t j = 0; j < vecs32; ++j) {
@@ -295,6 +234,136 @@ void split_to_natural(float* acc, int64_t vecs32) {
   }
 }
 
+// bfloat16 with AVX512-BF16, a page of slots at a time (kRowsBf16), as heads_avx2 goes:
+// - scores: each token's K row is read once for every query head of the item, 16 heads' dot
+//   products (`vdpbf16ps` on the rows as stored) reduced together by sum16, so the token's scores
+//   come out with the heads in the lanes of one vector; meanwhile the next page's K and V rows (or
+//   the next sequence's first, `next_slots`) are prefetched whole into L1 (a page of the benchmark
+//   model's rows is 16 KiB);
+// - the online softmax in those lanes, 16 heads at a time, with no horizontal reduction, and each
+//   pair of tokens' weights rounded to bfloat16 and packed as `vdpbf16ps` takes them (`wpair`);
+// - the weighted sum of V, one KV head's rows interleaved in pairs once (interleave_v), then one
+//   query head of its group at a time, its accumulators in registers over the page.
+// heads_avx512 went a 32-slot block at a time, each query head over the block's keys on its own:
+// its scores, reductions and softmax were done per head, and the K rows read once per head of
+// the group (Intel Xeon with AMX, one thread, 50 sequences of about 350 tokens: 12.7 GB/s of K and
+// V, where the float32 path reads 18.6; docs/benchmarks.md). A head's score is its own dot product
+// summed by sum16's tree, the same in any batch of heads, so the bits do not depend on how a
+// call's work was split among the threads. `q` points at the item's first query head (heads
+// `q_s1` apart); `koff` (nh), `acc` ([nh][D]), `scores` ([kRowsBf16][ld]), `wpair`
+// ([kRowsBf16 / 2][ld]), `alpha`, `m` and `sums` (ld) are scratch, ld being nh rounded up to 16;
+// `vpairs` has room for a page's interleaved V rows of one KV head. On return acc[h] / sums[h] is
+// query head h's output, in value order.
+constexpr int64_t kRowsBf16 = 16;
+
+// One pair of tokens' V values (interleave_v's `pv`, kN vectors) at the pair's weights (two
+// bfloat16 in one 32-bit value) into `sum`.
+template <int64_t kN>
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline void add_pair(__m512* sum, uint32_t weights,
+                                                                                           const __m512i* pv) {
+  const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights));
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < kN; ++j) sum[j] = _mm512_dpbf16_ps(sum[j], w, (__m512bh)_mm512_load_si512(pv + j));
+}
+
+template <int64_t kVec>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_pages(
+    const at::BFloat16* q, int64_t q_s1, const at::BFloat16* k, const at::BFloat16* v, int64_t k_s1, int64_t v_s1,
+    const int64_t* slots, int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads, int64_t group, float scale,
+    float* acc, float* scores, uint32_t* wpair, float* alpha, float* m, float* sums, int64_t* koff,
+    __m512i* vpairs, const int64_t* next_slots, int64_t next_n) {
+  constexpr int64_t D = kVec * 16, kPairs32 = kVec / 2;  // a head row: kPairs32 vectors of 32 values
+  constexpr int64_t B = kRowsBf16;
+  const int64_t nh = heads * group, ld = (nh + 15) / 16 * 16;
+  const int64_t lines = (heads * D * static_cast<int64_t>(sizeof(at::BFloat16)) + 63) / 64;  // of a K (or V) row
+  for (int64_t h = 0; h < nh; ++h) koff[h] = (h / group) * k_s1;
+  for (int64_t h = 0; h < ld; ++h) m[h] = -std::numeric_limits<float>::infinity(), sums[h] = 0.f;
+  for (int64_t i = 0; i < nh * D; ++i) acc[i] = 0.f;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += B) {
+    const int64_t b = std::min(B, n - t0);
+    const int64_t* block = slots + t0;
+    const bool last = t0 + B >= n;
+    const int64_t* ahead = last ? next_slots : block + B;
+    const int64_t ahead_rows = last ? (next_slots ? std::min(B, next_n) : 0) : std::min(B, n - t0 - B);
+    for (int64_t t = 0; t < b; ++t) {
+      if (t < ahead_rows) {
+        const char* kr = reinterpret_cast<const char*>(k + ahead[t] * k_s0);
+        const char* vr = reinterpret_cast<const char*>(v + ahead[t] * v_s0);
+        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(kr + 64 * l, _MM_HINT_T0), _mm_prefetch(vr + 64 * l, _MM_HINT_T0);
+      }
+      const at::BFloat16* krow = k + block[t] * k_s0;
+      for (int64_t h0 = 0; h0 < ld; h0 += 16) {
+        const int64_t hb = std::min<int64_t>(16, nh - h0);
+        __m512 d[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          if (i >= hb) {
+            d[i] = _mm512_setzero_ps();
+            continue;
+          }
+          const at::BFloat16* qh = q + (h0 + i) * q_s1;
+          const at::BFloat16* kh = krow + koff[h0 + i];
+          __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qh),
+                                        (__m512bh)_mm512_loadu_si512(kh));
+#pragma GCC unroll 8
+          for (int64_t j = 1; j < kPairs32; ++j)
+            dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qh + 32 * j),
+                                   (__m512bh)_mm512_loadu_si512(kh + 32 * j));
+          d[i] = dot;
+        }
+        _mm512_storeu_ps(scores + t * ld + h0, _mm512_mul_ps(sum16(d), scale_v));
+      }
+    }
+    // The page's weights, 16 heads at a time; `m` and `sums` take the page in, `alpha` is each
+    // head's rescale of its accumulator; pairs of tokens' weights rounded to bfloat16 into wpair
+    // (an odd page's last token is paired with a weight of 0).
+    for (int64_t h0 = 0; h0 < ld; h0 += 16) {
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < b; ++t) top = _mm512_max_ps(top, _mm512_loadu_ps(scores + t * ld + h0));
+      const __m512 m_old = _mm512_loadu_ps(m + h0), m_new = _mm512_max_ps(m_old, top);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t t = 0; t < b; t += 2) {
+        const __m512 e0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t * ld + h0), m_new));
+        const __m512 e1 = t + 1 < b ? exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + (t + 1) * ld + h0), m_new))
+                                    : _mm512_setzero_ps();
+        total = _mm512_add_ps(_mm512_add_ps(total, e0), e1);
+        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
+        const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
+        _mm512_storeu_si512(wpair + (t / 2) * ld + h0, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+      const __m512 a = exp16(_mm512_sub_ps(m_old, m_new));  // ~0 on the first page (m = -inf)
+      _mm512_storeu_ps(m + h0, m_new);
+      _mm512_storeu_ps(sums + h0, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(sums + h0), a), total));
+      _mm512_storeu_ps(alpha + h0, a);
+    }
+    const int64_t pairs = (b + 1) / 2;
+    for (int64_t kvh = 0; kvh < heads; ++kvh) {
+      interleave_v(v + kvh * v_s1, block, b, v_s0, kPairs32, vpairs);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kvh * group + g;
+        float* ah = acc + h * D;
+        __m512 av[2 * kPairs32], bv[2 * kPairs32];  // two sets, for alternate pairs of tokens
+        const __m512 al = _mm512_set1_ps(alpha[h]);
+#pragma GCC unroll 16
+        for (int64_t j = 0; j < 2 * kPairs32; ++j) {
+          av[j] = _mm512_mul_ps(al, _mm512_loadu_ps(ah + 16 * j));
+          bv[j] = _mm512_setzero_ps();
+        }
+        int64_t i = 0;
+        for (; i + 2 <= pairs; i += 2) {  // pairs 0, 2, 4, ... into av, 1, 3, ... into bv
+          add_pair<2 * kPairs32>(av, wpair[i * ld + h], vpairs + 2 * i * kPairs32);
+          add_pair<2 * kPairs32>(bv, wpair[(i + 1) * ld + h], vpairs + 2 * (i + 1) * kPairs32);
+        }
+        if (i < pairs) add_pair<2 * kPairs32>(av, wpair[i * ld + h], vpairs + 2 * i * kPairs32);
+#pragma GCC unroll 16
+        for (int64_t j = 0; j < 2 * kPairs32; ++j) _mm512_storeu_ps(ah + 16 * j, _mm512_add_ps(av[j], bv[j]));
+      }
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h) natural_order(acc + h * D, kPairs32);
+}
+
 // One sequence, KV heads [0, heads) of the pointers given: every query head of each KV head's GQA
 // group, block by block over the context, with an online softmax in float32. Within a block the
 // KV heads go one after another over the same rows, so a block's rows (all heads of a slot are
@@ -302,8 +371,8 @@ void split_to_natural(float* acc, int64_t vecs32) {
 // queries in float32 ([heads][group][D]); `acc` ([heads][group][D]), `scores` ([group][kBlock]),
 // `m` and `sums` ([heads][group]) are scratch; on return acc[h] / sums[h] is query head h's output.
 template <typename scalar_t, int64_t kVec>
-void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar_t* k, const scalar_t* v, int64_t k_s1,
-                  int64_t v_s1, const int64_t* slots, int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads,
+void heads_avx512(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k_s1, int64_t v_s1,
+                  const int64_t* slots, int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads,
                   int64_t group, float scale, float* acc, float* scores, float* m, float* sums, float* kbuf,
                   float* vbuf, const int64_t* next_slots, int64_t next_n) {
   constexpr int64_t D = kVec * 16;
@@ -315,16 +384,11 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
   // chunks of 16 keys, one visit per query head.
   const int64_t visits = heads * group * (kBlock / 16);
   const int64_t per_visit = (2 * ahead.lines * kBlock + visits - 1) / visits;
-  // bfloat16 keys go straight into AVX512-BF16 dot products where the CPU has them (and the head
-  // size is a multiple of 32); without them, bfloat16 rows of such a head size are read in split
-  // order (split32). Other half-precision rows are widened to float32 first.
-  bool bf16_dot = false;
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kVec % 2 == 0 && kVec <= 16) bf16_dot = cpu_has_bf16_dot();
+  // bfloat16 rows of a head size that is a multiple of 32 are read in split order (split32) on a
+  // CPU without AVX512-BF16 (with it they take heads_bf16_pages); other half-precision rows are
+  // widened to float32 first.
   constexpr bool kSplittable = std::is_same_v<scalar_t, at::BFloat16> && kVec % 2 == 0;
-  const bool split = kSplittable && !bf16_dot;
-  // interleave_v's pairs, in vbuf (unused with the bf16 dot; twice the room they need), on a cache
-  // line boundary: 64-byte vectors across two lines cost a split load or store each
-  __m512i* vpairs = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(vbuf) + 63) & ~uintptr_t{63});
+  constexpr bool split = kSplittable;
   for (int64_t h = 0; h < heads * group; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     sums[h] = 0.f;
@@ -340,11 +404,8 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
     for (int64_t kvh = 0; kvh < heads; ++kvh) {
       const scalar_t* kh = k + kvh * k_s1;
       const scalar_t* vh = v + kvh * v_s1;
-      if constexpr (kSplittable) {  // V rows interleaved in pairs once for the group's heads (vbuf is free here)
-        if (bf16_dot) interleave_v(vh, block, b, v_s0, kVec / 2, vpairs);
-      }
       if constexpr (!kWide) {  // half precision: widen the block's rows once, not once per query head
-        for (int64_t t = 0; t < b && !bf16_dot && !split; ++t) {  // (with the bf16 dot or split, K and V are read as stored)
+        for (int64_t t = 0; t < b && !split; ++t) {  // (split, K and V are read as stored)
           const scalar_t* key = kh + block[t] * k_s0;
           const scalar_t* value = vh + block[t] * v_s0;
           for (int64_t j = 0; j < kVec; ++j) {
@@ -374,7 +435,6 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
           ahead.step(per_visit);
           __m512 dots[16];
           if constexpr (kSplittable) {
-            if (bf16_dot) dots_bf16(q + h * q_s1, kh, block + i0, c, k_s0, kVec / 2, dots);
             for (int64_t i = 0; i < 16 && split; ++i) {
               if (i >= c) {
                 dots[i] = _mm512_setzero_ps();
@@ -391,7 +451,7 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
               dots[i] = dot;
             }
           }
-          for (int64_t i = 0; i < 16 && !bf16_dot && !split; ++i) {
+          for (int64_t i = 0; i < 16 && !split; ++i) {
             if (i >= c) {
               dots[i] = _mm512_setzero_ps();
               continue;
@@ -418,12 +478,6 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
         }
         sums[h] = sums[h] * alpha + _mm512_reduce_add_ps(sumv);
         m[h] = m_new;
-        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-          if (bf16_dot) {
-            pv_bf16(vpairs, b, sg, alpha, kVec / 2, acc + h * D);
-            continue;
-          }
-        }
         // Four accumulator sets, one per token of four in turn: one set would wait on each FMA's
         // latency at every token.
         const __m512 a = _mm512_set1_ps(alpha);
@@ -478,8 +532,6 @@ void heads_avx512(const float* qf, const scalar_t* q, int64_t q_s1, const scalar
       }
     }
   }
-  if (bf16_dot)
-    for (int64_t h = 0; h < heads * group; ++h) natural_order(acc + h * D, kVec / 2);
   if (split)
     for (int64_t h = 0; h < heads * group; ++h) split_to_natural(acc + h * D, kVec / 2);
 }
@@ -719,15 +771,21 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   struct Scratch {
     std::vector<float> qf, acc, sums, maxes, scores;
     std::vector<float> kbuf, vbuf;  // a block of K and V rows widened to float32 (AVX-512, half precision only)
-    std::vector<int64_t> koff;      // each query head's K offset in a row (AVX2)
+    std::vector<int64_t> koff;      // each query head's K offset in a row (AVX2, AVX-512 bfloat16)
+    std::vector<uint32_t> wpair;    // pairs of tokens' weights in bfloat16 (AVX-512 bfloat16)
+    std::vector<float> alpha;       // each head's rescale at a page (AVX-512 bfloat16)
   };
   auto scratch = [&] {
     Scratch st;
     st.qf.resize(kv_heads * group * head_dim), st.acc.resize(kv_heads * group * head_dim);
-    // room for the heads rounded up to 8 (the AVX2 path's softmax takes 8 heads at a time)
-    st.sums.resize((kv_heads * group + 7) / 8 * 8), st.maxes.resize((kv_heads * group + 7) / 8 * 8);
+    // room for the heads rounded up to 16 (the softmax of the AVX2 path and of the AVX-512 bfloat16
+    // path takes 8 or 16 heads at a time)
+    const int64_t ld = (kv_heads * group + 15) / 16 * 16;
+    st.sums.resize(ld), st.maxes.resize(ld);
 #if defined(__AVX512F__)
     if constexpr (!std::is_same_v<scalar_t, float>) st.kbuf.resize(kBlock * head_dim), st.vbuf.resize(kBlock * head_dim);
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
+      st.koff.resize(ld), st.wpair.resize(kRowsBf16 / 2 * ld), st.alpha.resize(ld);
 #elif defined(__AVX2__)
     st.koff.resize(kv_heads * group);
 #endif
@@ -735,6 +793,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   };
   kvmesh::parallel_claims(work_items, grain, scratch, [&](Scratch& st, int64_t begin, int64_t end) {
     auto &qf = st.qf, &acc = st.acc, &sums = st.sums, &maxes = st.maxes, &scores = st.scores;
+    // query heads [h0, h0 + nh) of q's row `row`: acc[h] / sums[h] into the output
+    auto write_out = [&](int64_t h0, int64_t nh, int64_t row) {
+      for (int64_t h = 0; h < nh; ++h) {
+        scalar_t* dst = op + row * o_s0 + (h0 + h) * o_s1;
+        const float inv = 1.f / sums[h];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
+      }
+    };
     for (int64_t work = begin; work < end; ++work) {
       const int64_t items_per_seq = kv_heads / heads_per_item;
       const int64_t s = work / items_per_seq, kv0 = (work % items_per_seq) * heads_per_item;
@@ -749,9 +815,25 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         // The next sequence this thread takes reads the same heads' pointers where items are whole rows.
         const bool next = whole_rows && work + 1 < end;
 #if defined(__AVX512F__)
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHeadDim % 32 == 0 && kHeadDim <= 256) {
+          if (cpu_has_bf16_dot()) {
+            scores.resize(kRowsBf16 * st.alpha.size());
+            // interleave_v's pairs, on a cache line boundary, in vbuf (a page of one KV head's V
+            // rows takes a quarter of it)
+            __m512i* vpairs =
+                reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(st.vbuf.data()) + 63) & ~uintptr_t{63});
+            heads_bf16_pages<kHeadDim / 16>(qp + row * q_s0 + h0 * q_s1, q_s1, kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1,
+                                            v_s1, slots + first, n, k_s0, v_s0, heads_per_item, group, fscale,
+                                            acc.data(), scores.data(), st.wpair.data(), st.alpha.data(),
+                                            maxes.data(), sums.data(), st.koff.data(), vpairs,
+                                            next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
+            write_out(h0, nh, row);
+            continue;
+          }
+        }
         scores.resize(group * kBlock);
-        heads_avx512<scalar_t, kHeadDim / 16>(qf.data(), qp + row * q_s0 + h0 * q_s1, q_s1, kp + kv0 * k_s1,
-                                              vp + kv0 * v_s1, k_s1, v_s1, slots + first, n, k_s0, v_s0,
+        heads_avx512<scalar_t, kHeadDim / 16>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
+                                              k_s0, v_s0,
                                               heads_per_item, group, fscale, acc.data(), scores.data(), maxes.data(),
                                               sums.data(), st.kbuf.data(), st.vbuf.data(),
                                               next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
@@ -762,11 +844,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                                            maxes.data(), sums.data(), st.koff.data(),
                                            next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
 #endif
-        for (int64_t h = 0; h < nh; ++h) {
-          scalar_t* dst = op + row * o_s0 + (h0 + h) * o_s1;
-          const float inv = 1.f / sums[h];
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
-        }
+        write_out(h0, nh, row);
         continue;
       }
 #endif
