@@ -317,6 +317,8 @@ def test_the_few_rows_kernel_is_where_the_cpu_has_it_and_its_copy_where_memory_a
     assert small_rows_dtype(torch.float32, CPU) == built
     if flags:
         assert small_rows_dtype(torch.bfloat16, CPU) == (built and isa == "avx512" and "avx512_bf16" in flags)
+        # bfloat16 on AMX's tile units where the CPU has them (the process asks Linux for the tiles)
+        assert linear_module.native.tile_products() == (built and isa == "avx512" and "amx_bf16" in flags)
     assert not small_rows_dtype(torch.float16, CPU)
     assert not small_rows_dtype(torch.float32, torch.device("cuda"))
     assert small_rows_only() == (built and linear_module.native.small_linear_columns() == 16)  # the AVX2 build

@@ -137,7 +137,7 @@ def small_rows_dtype(dtype: torch.dtype, device: torch.device) -> bool:
 def small_rows_limit(dtype: torch.dtype) -> int:
     """Rows up to which the few-rows kernel takes a product of `dtype` from a layer that has its
     layout (`SMALL_ROWS`, `AMX_BF16_ROWS`); sys.maxsize where it takes every product."""
-    if dtype == torch.bfloat16 and native.amx_tiles():
+    if dtype == torch.bfloat16 and native.amx_tiles() and native.tile_products():
         return AMX_BF16_ROWS
     limit = SMALL_ROWS[native.small_linear_columns()]
     return sys.maxsize if limit is None else limit

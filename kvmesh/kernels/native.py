@@ -144,6 +144,13 @@ def small_linear():
     return torch.ops.kvmesh.small_linear if _isa() in ("avx512", "avx2") and _library() else None
 
 
+@cache
+def tile_products() -> bool:
+    """Whether the few-rows kernel multiplies bfloat16 on AMX's tile units here: an AVX-512 build,
+    a CPU with AMX, and an OS that gave this process the tile registers (Linux 5.16 and later)."""
+    return small_linear() is not None and _isa() == "avx512" and bool(torch.ops.kvmesh.amx_tiles_ready())
+
+
 def small_linear_columns() -> int:
     """Output columns per block of the few-rows kernel's weight layout in this build."""
     return 32 if _isa() == "avx512" else 16

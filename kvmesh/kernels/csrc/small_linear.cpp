@@ -432,10 +432,21 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
 #endif
 }
 
+// Whether small_linear multiplies bfloat16 on AMX's tile units here (kernels/linear.py sets the
+// rows it takes by it).
+bool amx_tiles_ready() {
+#if defined(__AVX512F__)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("small_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("amx_tiles_ready() -> bool", amx_tiles_ready);
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("small_linear", small_linear); }
