@@ -51,8 +51,8 @@ SMALL_ROWS = {32: 48, 16: None}  # by the build's block width (native.small_line
 # Except bfloat16 on a CPU with AMX: there the kernel multiplies on the tile units too (from the same
 # layout, `small_linear.cpp`) and is faster than oneDNN's tile kernels up to about 128 rows, where
 # its weights come from memory (Intel Xeon with AMX-BF16, two threads, same script: 1-16 rows 4.7-6.3
-# ms a pass against 6.5-8.1, 32 rows 1.34-1.41x faster, 64 rows 1.26-1.31x, 128 rows 1.07-1.13x,
-# 160 rows 0.97x); oneDNN keeps prompt steps (at 256 rows 1.3x faster).
+# ms a pass against 6.5-8.1, 32 rows 1.34-1.50x faster, 64 rows 1.26-1.31x, 128 rows 1.07-1.19x,
+# 160-192 rows 0.93-1.09x); oneDNN keeps prompt steps (at 256 rows 1.2-1.3x faster).
 AMX_BF16_ROWS = 128
 
 

@@ -271,10 +271,11 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* 
 // 16 pair rows are two tiles at a 128-byte stride, and 16 of x's rows are a tile as they lie (32
 // values, 64 bytes, of each row). oneDNN multiplies bfloat16 on the same tiles, but at decode sizes
 // it read a model's weights at 14-23 GB/s (about 20 us a call outside its kernel, too), this path
-// at 18-32 (Intel Xeon with AMX, two threads, bench/linear_rows.py: 1.3-1.4x faster at 1-32 rows,
-// 1.07-1.13x at 128). Each block of 32 columns is read from memory once per call (the claim's next
+// at 18-32 (Intel Xeon with AMX, two threads, bench/linear_rows.py: 1.3-1.5x faster at 1-32 rows,
+// 1.07-1.19x at 128, level at 160-192). Each block of 32 columns is read from memory once per call (the claim's next
 // block prefetched into L2 meanwhile: 32 rows 1.18x -> 1.41x oneDNN's speed) and from L2 for each
-// further 32 rows. A row's outputs are the tile unit's sums over K in steps of 32, the same bits
+// further 32 rows; the sums are rounded by `vcvtneps2bf16` (amx_store: 128 rows 1.07-1.13x ->
+// 1.14-1.19x oneDNN's speed, against store_tile's rounding in integer steps). A row's outputs are the tile unit's sums over K in steps of 32, the same bits
 // whatever the number of rows beside it or the split among threads, so every row count takes
 // this path where the CPU has AMX (one row as fast as on the AVX-512 path); kernels/linear.py sends
 // products of more rows to oneDNN.
@@ -333,6 +334,29 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const at::BFloat16* 
   }
 }
 
+// The sums of `rows` rows x 32 columns (`valid` of them real) plus bias and residual, rounded to
+// bfloat16 by `vcvtneps2bf16` (to nearest even, as torch; a NaN stays a NaN) into out's rows.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void amx_store(const float* c, int rows, int64_t valid,
+                                                                        const float* bias,
+                                                                        const at::BFloat16* residual, int64_t ld,
+                                                                        at::BFloat16* out) {
+  const __mmask16 m0 = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  const __mmask16 m1 = valid >= 32 ? __mmask16(0xFFFF) : valid <= 16 ? __mmask16(0) : __mmask16((1u << (valid - 16)) - 1);
+  const __mmask16 mask[2] = {m0, m1};
+  __m512 b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  if (bias) b[0] = _mm512_maskz_loadu_ps(m0, bias), b[1] = _mm512_maskz_loadu_ps(m1, bias + 16);
+  for (int r = 0; r < rows; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      __m512 y = _mm512_add_ps(_mm512_load_ps(c + 32 * r + 16 * h), b[h]);
+      if (residual) {
+        const __m256i raw = _mm256_maskz_loadu_epi16(mask[h], residual + r * ld + 16 * h);
+        y = _mm512_add_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+      }
+      _mm256_mask_storeu_epi16(out + r * ld + 16 * h, mask[h], (__m256i)_mm512_cvtneps_pbh(y));
+    }
+  }
+}
+
 __attribute__((target("amx-tile"))) void amx_start() {
   static const TileConfig config;
   _tile_loadconfig(&config);
@@ -378,11 +402,8 @@ void run_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n, const flo
           amx_block(xt, K, rows - 16, K, wb, nullptr, c2);
           std::memcpy(sums.c + 16 * 32, c2, 16 * 32 * sizeof(float));
         }
-        for (int r = 0; r < rows; ++r) {
-          const __m512 acc[2] = {_mm512_load_ps(sums.c + 32 * r), _mm512_load_ps(sums.c + 32 * r + 16)};
-          store_tile<at::BFloat16>(acc, 1, valid, bias ? bias + col : nullptr, res ? res + (m0 + r) * n + col : nullptr,
-                                   n, o + (m0 + r) * n + col);
-        }
+        amx_store(sums.c, rows, valid, bias ? bias + col : nullptr, res ? res + m0 * n + col : nullptr, n,
+                  o + m0 * n + col);
       }
     }
     amx_end();
