@@ -58,6 +58,30 @@ namespace {
 // one core) the work stays on the calling thread.
 constexpr int64_t kParallelMinElements = 1 << 17;
 
+// A page of a sequence's slots (up to `size` from `t0`) for the paths that go a page at a time,
+// and the slots whose rows are fetched while it is computed: the next page's, or after the last
+// page the next sequence's first (`next_slots`, null where this thread takes none).
+struct Page {
+  const int64_t* block;
+  int64_t rows;
+  const int64_t* ahead;
+  int64_t ahead_rows;
+};
+
+inline Page page_at(const int64_t* slots, int64_t n, int64_t t0, int64_t size, const int64_t* next_slots,
+                    int64_t next_n) {
+  const bool last = t0 + size >= n;
+  return {slots + t0, std::min(size, n - t0), last ? next_slots : slots + t0 + size,
+          last ? (next_slots ? std::min(size, next_n) : 0) : std::min(size, n - t0 - size)};
+}
+
+// Each of nh query heads' K offset in a row (`group` heads per KV head), and the online softmax's
+// running max and sum before the first page, for `ld` lanes.
+inline void start_heads(int64_t nh, int64_t ld, int64_t group, int64_t k_s1, int64_t* koff, float* m, float* sums) {
+  for (int64_t h = 0; h < nh; ++h) koff[h] = (h / group) * k_s1;
+  for (int64_t h = 0; h < ld; ++h) m[h] = -std::numeric_limits<float>::infinity(), sums[h] = 0.f;
+}
+
 #if defined(__AVX512F__)
 // Prefetches the next block's K and V rows while this block is computed (the AVX-512 path), a few
 // cache lines at each step of the block's work (each 16 keys' scores), whole rows in address
@@ -276,20 +300,17 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
   constexpr int64_t B = kRowsBf16;
   const int64_t nh = heads * group, ld = (nh + 15) / 16 * 16;
   const int64_t lines = (heads * D * static_cast<int64_t>(sizeof(at::BFloat16)) + 63) / 64;  // of a K (or V) row
-  for (int64_t h = 0; h < nh; ++h) koff[h] = (h / group) * k_s1;
-  for (int64_t h = 0; h < ld; ++h) m[h] = -std::numeric_limits<float>::infinity(), sums[h] = 0.f;
+  start_heads(nh, ld, group, k_s1, koff, m, sums);
   for (int64_t i = 0; i < nh * D; ++i) acc[i] = 0.f;
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += B) {
-    const int64_t b = std::min(B, n - t0);
-    const int64_t* block = slots + t0;
-    const bool last = t0 + B >= n;
-    const int64_t* ahead = last ? next_slots : block + B;
-    const int64_t ahead_rows = last ? (next_slots ? std::min(B, next_n) : 0) : std::min(B, n - t0 - B);
+    const Page page = page_at(slots, n, t0, B, next_slots, next_n);
+    const int64_t b = page.rows;
+    const int64_t* block = page.block;
     for (int64_t t = 0; t < b; ++t) {
-      if (t < ahead_rows) {
-        const char* kr = reinterpret_cast<const char*>(k + ahead[t] * k_s0);
-        const char* vr = reinterpret_cast<const char*>(v + ahead[t] * v_s0);
+      if (t < page.ahead_rows) {
+        const char* kr = reinterpret_cast<const char*>(k + page.ahead[t] * k_s0);
+        const char* vr = reinterpret_cast<const char*>(v + page.ahead[t] * v_s0);
         for (int64_t l = 0; l < lines; ++l) _mm_prefetch(kr + 64 * l, _MM_HINT_T0), _mm_prefetch(vr + 64 * l, _MM_HINT_T0);
       }
       const at::BFloat16* krow = k + block[t] * k_s0;
@@ -663,22 +684,19 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
   constexpr int64_t kSets = kChunk >= 8 ? 1 : (8 + kChunk - 1) / kChunk;
   const int64_t nh = heads * group, ld = (nh + 7) / 8 * 8;  // scores: [B][ld]
   const int64_t lines = (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;  // of a K (or V) row
-  for (int64_t h = 0; h < nh; ++h) koff[h] = (h / group) * k_s1;
-  for (int64_t h = 0; h < ld; ++h) m[h] = -std::numeric_limits<float>::infinity(), sums[h] = 0.f;
+  start_heads(nh, ld, group, k_s1, koff, m, sums);
   for (int64_t t = 0; t < B; ++t)
     for (int64_t h = nh; h < ld; ++h) scores[t * ld + h] = 0.f;  // lanes past the heads stay finite
   for (int64_t i = 0; i < nh * D; ++i) acc[i] = 0.f;
   for (int64_t t0 = 0; t0 < n; t0 += B) {
-    const int64_t b = std::min(B, n - t0);
-    const int64_t* block = slots + t0;
-    const bool last = t0 + B >= n;
-    const int64_t* ahead = last ? next_slots : block + B;
-    const int64_t ahead_rows = last ? (next_slots ? std::min(B, next_n) : 0) : std::min(B, n - t0 - B);
+    const Page page = page_at(slots, n, t0, B, next_slots, next_n);
+    const int64_t b = page.rows;
+    const int64_t* block = page.block;
     for (int64_t t = 0; t < b; ++t) {
       const char* vr = reinterpret_cast<const char*>(v + block[t] * v_s0);
       for (int64_t l = 0; l < lines; ++l) _mm_prefetch(vr + 64 * l, _MM_HINT_T0);
-      if (t < ahead_rows) {
-        const char* kr = reinterpret_cast<const char*>(k + ahead[t] * k_s0);
+      if (t < page.ahead_rows) {
+        const char* kr = reinterpret_cast<const char*>(k + page.ahead[t] * k_s0);
         for (int64_t l = 0; l < lines; ++l) _mm_prefetch(kr + 64 * l, _MM_HINT_T0);
       }
       const scalar_t* krow = k + block[t] * k_s0;
