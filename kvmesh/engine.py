@@ -25,7 +25,9 @@ from kvmesh.services.worker.runner import KVPool, ModelRunner
 class EngineConfig:
     """model: a checkpoint folder (None: the default model). KV memory is `kv_memory_bytes`
     unless `num_pages` is given. device "auto" is CUDA when torch sees one; dtype None is
-    bfloat16 on CUDA and the checkpoint's on the CPU."""
+    bfloat16 on CUDA and the checkpoint's on the CPU. A scheduler config without
+    `max_batched_tokens` takes the model's step size (`default_step_tokens`: 2,048 for bfloat16
+    on a CPU with AMX, else 1,024)."""
 
     model: str | Path | None = None
     device: str = "auto"
