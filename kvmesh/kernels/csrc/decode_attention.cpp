@@ -826,10 +826,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(__AVX512F__) || defined(__AVX2__)
       if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
         const int64_t h0 = kv0 * group, nh = heads_per_item * group;  // query heads [h0, h0 + nh)
-        for (int64_t h = 0; h < nh; ++h) {
-          const scalar_t* src = qp + row * q_s0 + (h0 + h) * q_s1;
-          for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]);
-        }
         // The next sequence this thread takes reads the same heads' pointers where items are whole rows.
         const bool next = whole_rows && work + 1 < end;
 #if defined(__AVX512F__)
@@ -849,11 +845,16 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
             continue;
           }
         }
+#endif
+        for (int64_t h = 0; h < nh; ++h) {  // the queries in float32 (heads_bf16_pages reads them as stored)
+          const scalar_t* src = qp + row * q_s0 + (h0 + h) * q_s1;
+          for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]);
+        }
+#if defined(__AVX512F__)
         scores.resize(group * kBlock);
         heads_avx512<scalar_t, kHeadDim / 16>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
-                                              k_s0, v_s0,
-                                              heads_per_item, group, fscale, acc.data(), scores.data(), maxes.data(),
-                                              sums.data(), st.kbuf.data(), st.vbuf.data(),
+                                              k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
+                                              maxes.data(), sums.data(), st.kbuf.data(), st.vbuf.data(),
                                               next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
 #else
         scores.resize(kRowsAvx2 * ((nh + 7) / 8 * 8));
