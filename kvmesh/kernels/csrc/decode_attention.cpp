@@ -408,8 +408,7 @@ void heads_avx512(const float* qf, const scalar_t* k, const scalar_t* v, int64_t
   // bfloat16 rows of a head size that is a multiple of 32 are read in split order (split32) on a
   // CPU without AVX512-BF16 (with it they take heads_bf16_pages); other half-precision rows are
   // widened to float32 first.
-  constexpr bool kSplittable = std::is_same_v<scalar_t, at::BFloat16> && kVec % 2 == 0;
-  constexpr bool split = kSplittable;
+  constexpr bool kSplit = std::is_same_v<scalar_t, at::BFloat16> && kVec % 2 == 0;
   for (int64_t h = 0; h < heads * group; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     sums[h] = 0.f;
@@ -425,8 +424,8 @@ void heads_avx512(const float* qf, const scalar_t* k, const scalar_t* v, int64_t
     for (int64_t kvh = 0; kvh < heads; ++kvh) {
       const scalar_t* kh = k + kvh * k_s1;
       const scalar_t* vh = v + kvh * v_s1;
-      if constexpr (!kWide) {  // half precision: widen the block's rows once, not once per query head
-        for (int64_t t = 0; t < b && !split; ++t) {  // (split, K and V are read as stored)
+      if constexpr (!kWide && !kSplit) {  // half precision: widen the block's rows once, not once per query head
+        for (int64_t t = 0; t < b; ++t) {
           const scalar_t* key = kh + block[t] * k_s0;
           const scalar_t* value = vh + block[t] * v_s0;
           for (int64_t j = 0; j < kVec; ++j) {
@@ -444,7 +443,7 @@ void heads_avx512(const float* qf, const scalar_t* k, const scalar_t* v, int64_t
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kvh * group + g;
         __m512 qv[kVec], av[kVec];
-        if (split) {
+        if constexpr (kSplit) {
           for (int64_t j = 0; j + 1 < kVec; j += 2) split_query(qf + h * D + 16 * j, qv[j], qv[j + 1]);
         } else {
           for (int64_t j = 0; j < kVec; ++j) qv[j] = _mm512_loadu_ps(qf + h * D + 16 * j);
@@ -455,8 +454,8 @@ void heads_avx512(const float* qf, const scalar_t* k, const scalar_t* v, int64_t
           const int64_t c = std::min<int64_t>(16, b - i0);
           ahead.step(per_visit);
           __m512 dots[16];
-          if constexpr (kSplittable) {
-            for (int64_t i = 0; i < 16 && split; ++i) {
+          if constexpr (kSplit) {
+            for (int64_t i = 0; i < 16; ++i) {
               if (i >= c) {
                 dots[i] = _mm512_setzero_ps();
                 continue;
@@ -472,7 +471,7 @@ void heads_avx512(const float* qf, const scalar_t* k, const scalar_t* v, int64_t
               dots[i] = dot;
             }
           }
-          for (int64_t i = 0; i < 16 && !split; ++i) {
+          for (int64_t i = 0; i < 16 && !kSplit; ++i) {
             if (i >= c) {
               dots[i] = _mm512_setzero_ps();
               continue;
@@ -508,29 +507,27 @@ void heads_avx512(const float* qf, const scalar_t* k, const scalar_t* v, int64_t
           a1[j] = a2[j] = a3[j] = _mm512_setzero_ps();
         }
         int64_t t = 0;
-        if constexpr (kSplittable) {
-          if (split) {  // acc in split order: vector j even values, j + 1 odd, of values 16j..16j+31
-            auto add_row = [&](int64_t token, __m512* sum) {
-              const scalar_t* value = vh + block[token] * v_s0;
-              const __m512 p = _mm512_set1_ps(sg[token]);
-              for (int64_t j = 0; j < kVec; j += 2) {
-                __m512 even, odd;
-                split32(value + 16 * j, even, odd);
-                sum[j] = _mm512_fmadd_ps(p, even, sum[j]);
-                sum[j + 1] = _mm512_fmadd_ps(p, odd, sum[j + 1]);
-              }
-            };
-            for (; t + 4 <= b; t += 4) {
-              add_row(t, av);
-              add_row(t + 1, a1);
-              add_row(t + 2, a2);
-              add_row(t + 3, a3);
+        if constexpr (kSplit) {  // acc in split order: vector j even values, j + 1 odd, of values 16j..16j+31
+          auto add_row = [&](int64_t token, __m512* sum) {
+            const scalar_t* value = vh + block[token] * v_s0;
+            const __m512 p = _mm512_set1_ps(sg[token]);
+            for (int64_t j = 0; j < kVec; j += 2) {
+              __m512 even, odd;
+              split32(value + 16 * j, even, odd);
+              sum[j] = _mm512_fmadd_ps(p, even, sum[j]);
+              sum[j + 1] = _mm512_fmadd_ps(p, odd, sum[j + 1]);
             }
-            for (; t < b; ++t) add_row(t, av);
-            for (int64_t j = 0; j < kVec; ++j)
-              _mm512_storeu_ps(acc + h * D + 16 * j, _mm512_add_ps(_mm512_add_ps(av[j], a1[j]), _mm512_add_ps(a2[j], a3[j])));
-            continue;
+          };
+          for (; t + 4 <= b; t += 4) {
+            add_row(t, av);
+            add_row(t + 1, a1);
+            add_row(t + 2, a2);
+            add_row(t + 3, a3);
           }
+          for (; t < b; ++t) add_row(t, av);
+          for (int64_t j = 0; j < kVec; ++j)
+            _mm512_storeu_ps(acc + h * D + 16 * j, _mm512_add_ps(_mm512_add_ps(av[j], a1[j]), _mm512_add_ps(a2[j], a3[j])));
+          continue;
         }
         for (; t + 4 <= b; t += 4) {
           const float *v0 = value_row(t), *v1 = value_row(t + 1), *v2 = value_row(t + 2), *v3 = value_row(t + 3);
@@ -553,7 +550,7 @@ void heads_avx512(const float* qf, const scalar_t* k, const scalar_t* v, int64_t
       }
     }
   }
-  if (split)
+  if constexpr (kSplit)
     for (int64_t h = 0; h < heads * group; ++h) split_to_natural(acc + h * D, kVec / 2);
 }
 #elif defined(__AVX2__)

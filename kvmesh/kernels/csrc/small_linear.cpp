@@ -36,6 +36,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <cpuid.h>
@@ -370,15 +371,17 @@ void run_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n, const flo
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
   const at::BFloat16* res = residual ? residual->data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  // The last rows short of a 16-row piece go through a zero-padded copy: a tile reads 16 rows.
+  // The last rows short of a 16-row piece go through a zero-padded copy (a tile reads 16 rows), in
+  // the calling thread's buffer, kept from call to call.
   const int64_t whole = M / 16 * 16;
-  at::Tensor tail;
-  if (whole < M) {
-    tail = at::zeros({16, K}, x.options());
-    std::memcpy(tail.data_ptr(), x.data_ptr<at::BFloat16>() + whole * K, (M - whole) * K * sizeof(at::BFloat16));
-  }
   const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
-  const at::BFloat16* xt = whole < M ? tail.data_ptr<at::BFloat16>() : nullptr;
+  thread_local std::vector<at::BFloat16> tail;
+  if (whole < M) {
+    tail.resize(16 * K);
+    std::memcpy(tail.data(), xs + whole * K, (M - whole) * K * sizeof(at::BFloat16));
+    std::memset(static_cast<void*>(tail.data() + (M - whole) * K), 0, (16 - (M - whole)) * K * sizeof(at::BFloat16));
+  }
+  const at::BFloat16* xt = whole < M ? tail.data() : nullptr;
   struct Sums {
     alignas(64) float c[32 * 32];
   };
