@@ -67,6 +67,22 @@ def test_staggered_batch_of_eight_matches_transformers(hf_checkpoint, arch):
     assert_all_pages_returned(engine)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 4, 64), (20, 4, 16)])
+def test_wide_attention_matches_transformers_in_a_staggered_batch(hf_checkpoint, heads, kv_heads, head_dim):
+    """The decode kernel's page-at-a-time float32 path, taken by models of eight query heads or more
+    (the benchmark model's 12 over 4 of 64; 20 heads are a batch of 16 and one of 4), against
+    transformers in a batch that decodes beside prefill chunks."""
+    model_dir = hf_checkpoint("llama", hidden_size=heads * head_dim, num_attention_heads=heads,
+                              num_key_value_heads=kv_heads, intermediate_size=256)
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=128, scheduler=SchedulerConfig(max_batched_tokens=40)))
+    prompts = random_prompts(6, (5, 90), seed=12)
+    reqs = run_staggered(engine, prompts, StoppingParams(max_new_tokens=16, ignore_eos=True))
+    compared = sum(assert_matches_reference(req.output_token_ids, req.output_logprobs, hf_greedy(model_dir, prompt, 16))
+                   for prompt, req in zip(prompts, reqs))
+    assert compared >= 48, compared
+    assert_all_pages_returned(engine)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_preemption_under_a_tiny_pool_keeps_tokens_exact(hf_checkpoint, arch):
     model_dir = hf_checkpoint(arch)

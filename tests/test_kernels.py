@@ -111,7 +111,9 @@ DECODES = [(1, 1), (16, 1), (17, 1), (300, 1), (70, 22), (5, 1)]  # with a prefi
 # Of the head sizes the kernel is compiled for (16, 24, 32, 64, 80, 96, 128, 256), multiples of 16
 # take the AVX-512 path where the CPU has one, all of them the AVX2 path where it has that instead;
 # 20 takes the portable path everywhere. The AVX2 path scores a row's query heads eight, four,
-# then one at a time: 14 heads are 8 + 4 + 1 + 1, 32 are four batches of eight.
+# then one at a time: 14 heads are 8 + 4 + 1 + 1, 32 are four batches of eight. The AVX-512 float32
+# path goes a page at a time for models of eight query heads or more (16 at a time, the last four
+# or fewer by sum4), by per-head blocks for fewer (4 heads).
 @pytest.mark.parametrize("dim", [16, 20, 24, 32, 64, 80, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (12, 4), (4, 4), (14, 2), (32, 8)])
 def test_decode_kernel_equals_reference(dim, heads, kv_heads):

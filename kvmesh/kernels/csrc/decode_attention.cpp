@@ -29,7 +29,10 @@
 // next block's rows into L2 while a block is computed (`Ahead`; Zen 4: float32 6.2 -> 3.9 ms,
 // bfloat16 4.4 -> 2.2 ms per call). The AVX2 path now goes a page at a time, each token's K row
 // once for every query head (heads_avx2: 1.4-1.5x less time per call on one thread than the
-// per-head passes it replaced, 1.3-1.6x with 16-wide heads; AMD EPYC Zen 3, docs/benchmarks.md).
+// per-head passes it replaced, 1.3-1.6x with 16-wide heads; AMD EPYC Zen 3, docs/benchmarks.md),
+// and so does the AVX-512 float32 path (heads_f32_pages; AMD EPYC Zen 5, one thread, 53 sequences
+// of about 330 tokens: 2.07-2.11 -> 1.33-1.42 ms per call); the per-head block path (heads_avx512)
+// is left to half precision without AVX512-BF16's dot products.
 //
 // Registered as torch.ops.kvmesh.decode_attention_ (writes into `out`).
 
@@ -81,6 +84,86 @@ inline void start_heads(int64_t nh, int64_t ld, int64_t group, int64_t k_s1, int
   for (int64_t h = 0; h < nh; ++h) koff[h] = (h / group) * k_s1;
   for (int64_t h = 0; h < ld; ++h) m[h] = -std::numeric_limits<float>::infinity(), sums[h] = 0.f;
 }
+
+// How many vectors of a row the weighted sum of V keeps in registers at once (a divisor of the row's
+// kVec, at most 8: AVX2 has 16 registers), and how many tokens it accumulates side by side, so that
+// at least 8 independent FMA chains hide each FMA's latency (heads_avx2, heads_f32_pages).
+constexpr int64_t chunk_of(int64_t vecs) {
+  for (int64_t c = 8; c > 1; --c)
+    if (vecs % c == 0) return c;
+  return 1;
+}
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// The steps of the float32 page-at-a-time paths that do not depend on how a page's scores were
+// made, written once over a vector width `X` (Lanes16 for heads_f32_pages, Lanes8 for heads_avx2):
+// a build has one of the two.
+
+// `lines` cache lines from `p` into L1.
+inline void prefetch_lines(const void* p, int64_t lines) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t l = 0; l < lines; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T0);
+}
+
+// The page's weights of heads [h0, h0 + X::kN), in place of their scores ([b][ld], the heads in
+// the lanes): `m` and `sums` take the page in, and each head's rescale of its accumulator goes to
+// `alpha` (X::kN values).
+template <class X>
+inline void page_weights(float* scores, int64_t ld, int64_t b, int64_t h0, float* m, float* sums, float* alpha) {
+  using V = typename X::V;
+  V top = X::set1(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < b; ++t) top = X::max(top, X::load(scores + t * ld + h0));
+  const V m_old = X::load(m + h0), m_new = X::max(m_old, top);
+  V total = X::zero();
+  for (int64_t t = 0; t < b; ++t) {
+    const V e = X::exp(X::sub(X::load(scores + t * ld + h0), m_new));
+    X::store(scores + t * ld + h0, e);
+    total = X::add(total, e);
+  }
+  const V a = X::exp(X::sub(m_old, m_new));  // ~0 on the first page (m = -inf)
+  X::store(m + h0, m_new);
+  X::store(sums + h0, X::add(X::mul(X::load(sums + h0), a), total));
+  X::store(alpha, a);
+}
+
+// One query head's accumulator (`ah`, kVec vectors), rescaled by `alpha`, plus the page's V rows
+// of its KV head (`vh`, the b slots of `block`, v_s0 apart) at their weights (`w[t * ld]`): kChunk
+// vectors of the row at a time, in kSets accumulator sets over alternate tokens, so that at least
+// eight FMA chains hide each FMA's latency.
+template <class X, int64_t kVec, typename scalar_t>
+inline void add_values(float* ah, float alpha, const scalar_t* vh, const int64_t* block, int64_t b, int64_t v_s0,
+                       const float* w, int64_t ld) {
+  using V = typename X::V;
+  constexpr int64_t kChunk = chunk_of(kVec);
+  constexpr int64_t kSets = kChunk >= 8 ? 1 : (8 + kChunk - 1) / kChunk;
+  const V scale_acc = X::set1(alpha);
+  for (int64_t j0 = 0; j0 < kVec; j0 += kChunk) {
+    V sets[kSets][kChunk];
+    for (int64_t j = 0; j < kChunk; ++j) {
+      sets[0][j] = X::mul(scale_acc, X::load(ah + X::kN * (j0 + j)));
+      for (int64_t u = 1; u < kSets; ++u) sets[u][j] = X::zero();
+    }
+    int64_t t = 0;
+    for (; t + kSets <= b; t += kSets) {
+      for (int64_t u = 0; u < kSets; ++u) {
+        const scalar_t* value = vh + block[t + u] * v_s0 + X::kN * j0;
+        const V p = X::set1(w[(t + u) * ld]);
+        for (int64_t j = 0; j < kChunk; ++j) sets[u][j] = X::fmadd(p, X::load(value + X::kN * j), sets[u][j]);
+      }
+    }
+    for (; t < b; ++t) {
+      const scalar_t* value = vh + block[t] * v_s0 + X::kN * j0;
+      const V p = X::set1(w[t * ld]);
+      for (int64_t j = 0; j < kChunk; ++j) sets[0][j] = X::fmadd(p, X::load(value + X::kN * j), sets[0][j]);
+    }
+    for (int64_t j = 0; j < kChunk; ++j) {
+      V total_j = sets[0][j];
+      for (int64_t u = 1; u < kSets; ++u) total_j = X::add(total_j, sets[u][j]);
+      X::store(ah + X::kN * (j0 + j), total_j);
+    }
+  }
+}
+#endif
 
 #if defined(__AVX512F__)
 // Prefetches the next block's K and V rows while this block is computed (the AVX-512 path), a few
@@ -177,6 +260,38 @@ inline __m512 sum16(__m512* x) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, w);
 }
+
+// sum16's lanes 0..3 for x[0..3] alone (the rest of x zero), by sum16's own tree, so a head's sum
+// has the same bits in a batch of four as in one of sixteen; the other lanes are 0. About 12
+// instructions: the scores of the few query heads of one KV head's group (a call's work split by
+// KV head) and a batch's last heads.
+inline __m512 sum4(const __m512* x) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44), _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44), _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+  const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(z0, zero), _mm512_unpackhi_ps(z0, zero));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u0, zero, 0x44), _mm512_shuffle_ps(u0, zero, 0xEE));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, w);
+}
+
+// 16 float32 lanes, for the shared page steps (page_weights, add_values).
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t kN = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  template <typename scalar_t>
+  static V load(const scalar_t* p) { return load16(p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V exp(V x) { return exp16(x); }
+};
 
 // Tokens per block of the online softmax: a block of K and V rows (32 x 128 float32 values is
 // 16 KiB each) stays in L1/L2 while every query head of the group goes over it, so each row comes
@@ -333,7 +448,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
                                    (__m512bh)_mm512_loadu_si512(kh + 32 * j));
           d[i] = dot;
         }
-        _mm512_storeu_ps(scores + t * ld + h0, _mm512_mul_ps(sum16(d), scale_v));
+        _mm512_storeu_ps(scores + t * ld + h0, _mm512_mul_ps(hb <= 4 ? sum4(d) : sum16(d), scale_v));
       }
     }
     // The page's weights, 16 heads at a time; `m` and `sums` take the page in, `alpha` is each
@@ -385,7 +500,77 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
   for (int64_t h = 0; h < nh; ++h) natural_order(acc + h * D, kPairs32);
 }
 
-// One sequence, KV heads [0, heads) of the pointers given: every query head of each KV head's GQA
+// float32, a page of slots at a time (kRowsF32), as heads_avx2 goes in 8 lanes:
+// - scores: each token's K row is read once, in address order, for every query head of the item,
+//   16 heads' dot products reduced together by sum16 (the token's scores come out with the heads in
+//   the lanes of one vector), while that token's V row and the next page's K row (or the next
+//   sequence's first, `next_slots`) are prefetched whole into L1;
+// - the online softmax in those lanes, 16 heads at a time, with no horizontal reduction;
+// - the weighted sum of V, one query head at a time over the page's rows (in L1 by then), kChunk
+//   vectors of the row at a time in kSets accumulator sets (at least eight FMA chains).
+// heads_avx512 went a 32-slot block at a time, each query head over the block's keys on its own, a
+// KV head's quarter of each row at a time (AMD EPYC Zen 5, one thread, 53 sequences of about 330
+// tokens: 19.7 GB/s of K and V; docs/benchmarks.md). A head's score is its own dot product summed
+// by sum16's tree, the same in any batch of heads, so the bits do not depend on how a call's work
+// was split among the threads. `qf` holds the queries in float32 ([nh][D]); `koff` (nh), `acc`
+// ([nh][D]), `scores` ([kRowsF32][ld]), `alpha`, `m` and `sums` (ld) are scratch, ld being nh
+// rounded up to 16. On return acc[h] / sums[h] is query head h's output.
+constexpr int64_t kRowsF32 = 16;
+// Models with fewer query heads keep heads_avx512's per-head blocks in float32: with the heads in
+// the lanes, a page's softmax costs a vector exp per token whatever the heads, and four heads of
+// sixteen lanes (the cheap model's, head size 16) ran about 1.25x slower a call that way. The
+// choice is by the model, not by a call's split of its work (whole sequences, or one KV head's
+// group), so a head's bits do not depend on the split.
+constexpr int64_t kPagesMinHeads = 8;
+
+template <int64_t kVec>
+void heads_f32_pages(const float* qf, const float* k, const float* v, int64_t k_s1, int64_t v_s1, const int64_t* slots,
+                     int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads, int64_t group, float scale, float* acc,
+                     float* scores, float* alpha, float* m, float* sums, int64_t* koff, const int64_t* next_slots,
+                     int64_t next_n) {
+  constexpr int64_t D = kVec * 16, B = kRowsF32;
+  const int64_t nh = heads * group, ld = (nh + 15) / 16 * 16;
+  const int64_t lines = (heads * D * static_cast<int64_t>(sizeof(float)) + 63) / 64;  // of a K (or V) row
+  start_heads(nh, ld, group, k_s1, koff, m, sums);
+  for (int64_t i = 0; i < nh * D; ++i) acc[i] = 0.f;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += B) {
+    const Page page = page_at(slots, n, t0, B, next_slots, next_n);
+    const int64_t b = page.rows;
+    const int64_t* block = page.block;
+    for (int64_t t = 0; t < b; ++t) {
+      prefetch_lines(v + block[t] * v_s0, lines);
+      if (t < page.ahead_rows) prefetch_lines(k + page.ahead[t] * k_s0, lines);
+      const float* krow = k + block[t] * k_s0;
+      for (int64_t h0 = 0; h0 < ld; h0 += 16) {
+        const int64_t hb = std::min<int64_t>(16, nh - h0);
+        __m512 d[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          if (i >= hb) {
+            d[i] = _mm512_setzero_ps();
+            continue;
+          }
+          const float* qh = qf + (h0 + i) * D;
+          const float* kh = krow + koff[h0 + i];
+          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kh));
+#pragma GCC unroll 16
+          for (int64_t j = 1; j < kVec; ++j)
+            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), _mm512_loadu_ps(kh + 16 * j), dot);
+          d[i] = dot;
+        }
+        _mm512_storeu_ps(scores + t * ld + h0, _mm512_mul_ps(hb <= 4 ? sum4(d) : sum16(d), scale_v));
+      }
+    }
+    for (int64_t h0 = 0; h0 < ld; h0 += 16) page_weights<Lanes16>(scores, ld, b, h0, m, sums, alpha + h0);
+    for (int64_t h = 0; h < nh; ++h)
+      add_values<Lanes16, kVec>(acc + h * D, alpha[h], v + (h / group) * v_s1, block, b, v_s0, scores + h, ld);
+  }
+}
+
+// Half precision without AVX512-BF16's dot products, and float32 for models of fewer than eight
+// query heads (heads_f32_pages takes the others; bfloat16 with AVX512-BF16 heads_bf16_pages): one
+// sequence, KV heads [0, heads) of the pointers given: every query head of each KV head's GQA
 // group, block by block over the context, with an online softmax in float32. Within a block the
 // KV heads go one after another over the same rows, so a block's rows (all heads of a slot are
 // contiguous) stream from memory once, in order, and are read again from cache. `qf` holds the
@@ -611,20 +796,28 @@ inline float reduce_max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
+// 8 float32 lanes, for the shared page steps (page_weights, add_values).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t kN = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  template <typename scalar_t>
+  static V load(const scalar_t* p) { return load8(p); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V exp(V x) { return exp8(x); }
+};
+
 // Tokens per block of the online softmax: 16 slots (a page at the default page size), whose K and
 // V rows (16 KiB each for the benchmark model in float32) stay in L1 while every query head goes
 // over them.
 constexpr int64_t kRowsAvx2 = 16;
 constexpr int64_t kLanes = 8;  // float32 lanes of a vector: head sizes that are a multiple take this path
-
-// How many 8-lane vectors of a row the weighted sum of V keeps in registers at once (a divisor of
-// the row's kVec, at most 8: AVX2 has 16 registers), and how many tokens it accumulates side by
-// side, so that at least 8 independent FMA chains hide each FMA's latency.
-constexpr int64_t chunk_of(int64_t vecs) {
-  for (int64_t c = 8; c > 1; --c)
-    if (vecs % c == 0) return c;
-  return 1;
-}
 
 // The scores of HB query heads (queries D floats apart, from q) against one token's K row, the
 // heads' K vectors at `koff` from the row, scaled, into out[0..HB): HB independent FMA chains
@@ -677,8 +870,6 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
                 int64_t next_n) {
   constexpr int64_t D = kVec * 8;
   constexpr int64_t B = kRowsAvx2;
-  constexpr int64_t kChunk = chunk_of(kVec);
-  constexpr int64_t kSets = kChunk >= 8 ? 1 : (8 + kChunk - 1) / kChunk;
   const int64_t nh = heads * group, ld = (nh + 7) / 8 * 8;  // scores: [B][ld]
   const int64_t lines = (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;  // of a K (or V) row
   start_heads(nh, ld, group, k_s1, koff, m, sums);
@@ -690,12 +881,8 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
     const int64_t b = page.rows;
     const int64_t* block = page.block;
     for (int64_t t = 0; t < b; ++t) {
-      const char* vr = reinterpret_cast<const char*>(v + block[t] * v_s0);
-      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(vr + 64 * l, _MM_HINT_T0);
-      if (t < page.ahead_rows) {
-        const char* kr = reinterpret_cast<const char*>(k + page.ahead[t] * k_s0);
-        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(kr + 64 * l, _MM_HINT_T0);
-      }
+      prefetch_lines(v + block[t] * v_s0, lines);
+      if (t < page.ahead_rows) prefetch_lines(k + page.ahead[t] * k_s0, lines);
       const scalar_t* krow = k + block[t] * k_s0;
       float* st = scores + t * ld;
       int64_t h = 0;
@@ -703,53 +890,12 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
       for (; h + 4 <= nh; h += 4) scores_of_row<scalar_t, kVec, 4>(qf + h * D, krow, koff + h, scale, st + h);
       for (; h < nh; ++h) scores_of_row<scalar_t, kVec, 1>(qf + h * D, krow, koff + h, scale, st + h);
     }
-    // The block's weights, eight heads at a time; `m` and `sums` take the block in, `alpha` is each
-    // head's rescale of its accumulator.
+    // The block's weights, eight heads at a time, then each of those heads' sum of V.
     alignas(32) float alpha[8];
     for (int64_t h0 = 0; h0 < ld; h0 += 8) {
-      __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < b; ++t) top = _mm256_max_ps(top, _mm256_loadu_ps(scores + t * ld + h0));
-      const __m256 m_old = _mm256_loadu_ps(m + h0), m_new = _mm256_max_ps(m_old, top);
-      __m256 total = _mm256_setzero_ps();
-      for (int64_t t = 0; t < b; ++t) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t * ld + h0), m_new));
-        _mm256_storeu_ps(scores + t * ld + h0, e);
-        total = _mm256_add_ps(total, e);
-      }
-      const __m256 a = exp8(_mm256_sub_ps(m_old, m_new));  // ~0 on the first block (m = -inf)
-      _mm256_storeu_ps(m + h0, m_new);
-      _mm256_storeu_ps(sums + h0, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(sums + h0), a), total));
-      _mm256_store_ps(alpha, a);
-      for (int64_t h = h0; h < std::min(h0 + 8, nh); ++h) {
-        const scalar_t* vh = v + (h / group) * v_s1;
-        const __m256 scale_acc = _mm256_set1_ps(alpha[h - h0]);
-        float* ah = acc + h * D;
-        for (int64_t j0 = 0; j0 < kVec; j0 += kChunk) {
-          __m256 sets[kSets][kChunk];
-          for (int64_t j = 0; j < kChunk; ++j) {
-            sets[0][j] = _mm256_mul_ps(scale_acc, _mm256_loadu_ps(ah + 8 * (j0 + j)));
-            for (int64_t u = 1; u < kSets; ++u) sets[u][j] = _mm256_setzero_ps();
-          }
-          int64_t t = 0;
-          for (; t + kSets <= b; t += kSets) {
-            for (int64_t u = 0; u < kSets; ++u) {
-              const scalar_t* value = vh + block[t + u] * v_s0 + 8 * j0;
-              const __m256 p = _mm256_set1_ps(scores[(t + u) * ld + h]);
-              for (int64_t j = 0; j < kChunk; ++j) sets[u][j] = _mm256_fmadd_ps(p, load8(value + 8 * j), sets[u][j]);
-            }
-          }
-          for (; t < b; ++t) {
-            const scalar_t* value = vh + block[t] * v_s0 + 8 * j0;
-            const __m256 p = _mm256_set1_ps(scores[t * ld + h]);
-            for (int64_t j = 0; j < kChunk; ++j) sets[0][j] = _mm256_fmadd_ps(p, load8(value + 8 * j), sets[0][j]);
-          }
-          for (int64_t j = 0; j < kChunk; ++j) {
-            __m256 total_j = sets[0][j];
-            for (int64_t u = 1; u < kSets; ++u) total_j = _mm256_add_ps(total_j, sets[u][j]);
-            _mm256_storeu_ps(ah + 8 * (j0 + j), total_j);
-          }
-        }
-      }
+      page_weights<Lanes8>(scores, ld, b, h0, m, sums, alpha);
+      for (int64_t h = h0; h < std::min(h0 + 8, nh); ++h)
+        add_values<Lanes8, kVec>(acc + h * D, alpha[h - h0], v + (h / group) * v_s1, block, b, v_s0, scores + h, ld);
     }
   }
 }
@@ -786,21 +932,22 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   struct Scratch {
     std::vector<float> qf, acc, sums, maxes, scores;
     std::vector<float> kbuf, vbuf;  // a block of K and V rows widened to float32 (AVX-512, half precision only)
-    std::vector<int64_t> koff;      // each query head's K offset in a row (AVX2, AVX-512 bfloat16)
+    std::vector<int64_t> koff;      // each query head's K offset in a row (AVX2; AVX-512 float32, bfloat16)
     std::vector<uint32_t> wpair;    // pairs of tokens' weights in bfloat16 (AVX-512 bfloat16)
-    std::vector<float> alpha;       // each head's rescale at a page (AVX-512 bfloat16)
+    std::vector<float> alpha;       // each head's rescale at a page (AVX-512 float32, bfloat16)
   };
   auto scratch = [&] {
     Scratch st;
     st.qf.resize(kv_heads * group * head_dim), st.acc.resize(kv_heads * group * head_dim);
-    // room for the heads rounded up to 16 (the softmax of the AVX2 path and of the AVX-512 bfloat16
-    // path takes 8 or 16 heads at a time)
+    // room for the heads rounded up to 16 (the softmax of the AVX2 path and of the AVX-512 float32
+    // and bfloat16 paths takes 8 or 16 heads at a time)
     const int64_t ld = (kv_heads * group + 15) / 16 * 16;
     st.sums.resize(ld), st.maxes.resize(ld);
 #if defined(__AVX512F__)
     if constexpr (!std::is_same_v<scalar_t, float>) st.kbuf.resize(kBlock * head_dim), st.vbuf.resize(kBlock * head_dim);
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
       st.koff.resize(ld), st.wpair.resize(kRowsBf16 / 2 * ld), st.alpha.resize(ld);
+    if constexpr (std::is_same_v<scalar_t, float>) st.koff.resize(ld), st.alpha.resize(ld);
 #elif defined(__AVX2__)
     st.koff.resize(kv_heads * group);
 #endif
@@ -848,6 +995,17 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]);
         }
 #if defined(__AVX512F__)
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (heads >= kPagesMinHeads) {
+            scores.resize(kRowsF32 * st.alpha.size());
+            heads_f32_pages<kHeadDim / 16>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
+                                           k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
+                                           st.alpha.data(), maxes.data(), sums.data(), st.koff.data(),
+                                           next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
+            write_out(h0, nh, row);
+            continue;
+          }
+        }
         scores.resize(group * kBlock);
         heads_avx512<scalar_t, kHeadDim / 16>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
                                               k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
