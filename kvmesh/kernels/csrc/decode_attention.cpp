@@ -922,9 +922,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // Like torch's own kernels, stay on the calling thread when the work is small: a parallel region
   // costs more than a few thousand dot products, and idle pool threads spin on shared cores.
   // A work item is one sequence with all its KV heads (its rows stream in order) when there are
-  // enough sequences to share among the threads, else one (sequence, KV head).
+  // enough sequences to share among the threads, or only one thread, else one (sequence, KV head).
+  // Every path computes a head the same whatever heads share its item.
   const int64_t key_elements = slot_ids.size(0) * kv_heads * head_dim;  // K (and V) values read
-  const bool whole_rows = num_seqs >= 2 * at::get_num_threads();
+  const bool whole_rows = at::get_num_threads() == 1 || num_seqs >= 2 * at::get_num_threads();
   const int64_t heads_per_item = whole_rows ? kv_heads : 1;
   const int64_t work_items = num_seqs * (kv_heads / heads_per_item);
   const int64_t grain = key_elements < kParallelMinElements ? std::max<int64_t>(work_items, 1) : 1;
