@@ -31,8 +31,9 @@
 // once for every query head (heads_avx2: 1.4-1.5x less time per call on one thread than the
 // per-head passes it replaced, 1.3-1.6x with 16-wide heads; AMD EPYC Zen 3, docs/benchmarks.md),
 // and so does the AVX-512 float32 path (heads_f32_pages; AMD EPYC Zen 5, one thread, 53 sequences
-// of about 330 tokens: 2.07-2.11 -> 1.33-1.42 ms per call); the per-head block path (heads_avx512)
-// is left to half precision without AVX512-BF16's dot products.
+// of about 330 tokens: 2.07-2.11 -> 1.33-1.42 ms per call) for models of eight query heads or more;
+// the per-head block path (heads_avx512) is left to float32 models with fewer and to half
+// precision without AVX512-BF16's dot products.
 //
 // Registered as torch.ops.kvmesh.decode_attention_ (writes into `out`).
 
@@ -375,10 +376,10 @@ void split_to_natural(float* acc, int64_t vecs32) {
 
 // bfloat16 with AVX512-BF16, a page of slots at a time (kRowsBf16), as heads_avx2 goes:
 // - scores: each token's K row is read once for every query head of the item, 16 heads' dot
-//   products (`vdpbf16ps` on the rows as stored) reduced together by sum16, so the token's scores
-//   come out with the heads in the lanes of one vector; meanwhile the next page's K and V rows (or
-//   the next sequence's first, `next_slots`) are prefetched whole into L1 (a page of the benchmark
-//   model's rows is 16 KiB);
+//   products (`vdpbf16ps` on the rows as stored) reduced together by sum16 (a batch's last four
+//   or fewer by sum4, the same tree), so the token's scores come out with the heads in the lanes
+//   of one vector; meanwhile the next page's K and V rows (or the next sequence's first,
+//   `next_slots`) are prefetched whole into L1 (a page of the benchmark model's rows is 16 KiB);
 // - the online softmax in those lanes, 16 heads at a time, with no horizontal reduction, and each
 //   pair of tokens' weights rounded to bfloat16 and packed as `vdpbf16ps` takes them (`wpair`);
 // - the weighted sum of V, one KV head's rows interleaved in pairs once (interleave_v), then one
@@ -502,9 +503,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
 
 // float32, a page of slots at a time (kRowsF32), as heads_avx2 goes in 8 lanes:
 // - scores: each token's K row is read once, in address order, for every query head of the item,
-//   16 heads' dot products reduced together by sum16 (the token's scores come out with the heads in
-//   the lanes of one vector), while that token's V row and the next page's K row (or the next
-//   sequence's first, `next_slots`) are prefetched whole into L1;
+//   16 heads' dot products reduced together by sum16 (a batch's last four or fewer by sum4, the
+//   same tree; the token's scores come out with the heads in the lanes of one vector), while that
+//   token's V row and the next page's K row (or the next sequence's first, `next_slots`) are
+//   prefetched whole into L1;
 // - the online softmax in those lanes, 16 heads at a time, with no horizontal reduction;
 // - the weighted sum of V, one query head at a time over the page's rows (in L1 by then), kChunk
 //   vectors of the row at a time in kSets accumulator sets (at least eight FMA chains).
