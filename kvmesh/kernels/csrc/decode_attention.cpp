@@ -514,9 +514,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
 // KV head's quarter of each row at a time (AMD EPYC Zen 5, one thread, 53 sequences of about 330
 // tokens: 19.7 GB/s of K and V; docs/benchmarks.md). A head's score is its own dot product summed
 // by sum16's tree, the same in any batch of heads, so the bits do not depend on how a call's work
-// was split among the threads. `qf` holds the queries in float32 ([nh][D]); `koff` (nh), `acc`
-// ([nh][D]), `scores` ([kRowsF32][ld]), `alpha`, `m` and `sums` (ld) are scratch, ld being nh
-// rounded up to 16. On return acc[h] / sums[h] is query head h's output.
+// was split among the threads. `q` points at the item's first query head (heads `q_s1` apart,
+// read as stored); `koff` (nh), `acc` ([nh][D]), `scores` ([kRowsF32][ld]), `alpha`, `m` and
+// `sums` (ld) are scratch, ld being nh rounded up to 16. On return acc[h] / sums[h] is query head
+// h's output.
 constexpr int64_t kRowsF32 = 16;
 // Models with fewer query heads keep heads_avx512's per-head blocks in float32: with the heads in
 // the lanes, a page's softmax costs a vector exp per token whatever the heads, and four heads of
@@ -526,10 +527,10 @@ constexpr int64_t kRowsF32 = 16;
 constexpr int64_t kPagesMinHeads = 8;
 
 template <int64_t kVec>
-void heads_f32_pages(const float* qf, const float* k, const float* v, int64_t k_s1, int64_t v_s1, const int64_t* slots,
-                     int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads, int64_t group, float scale, float* acc,
-                     float* scores, float* alpha, float* m, float* sums, int64_t* koff, const int64_t* next_slots,
-                     int64_t next_n) {
+void heads_f32_pages(const float* q, int64_t q_s1, const float* k, const float* v, int64_t k_s1, int64_t v_s1,
+                     const int64_t* slots, int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads, int64_t group,
+                     float scale, float* acc, float* scores, float* alpha, float* m, float* sums, int64_t* koff,
+                     const int64_t* next_slots, int64_t next_n) {
   constexpr int64_t D = kVec * 16, B = kRowsF32;
   const int64_t nh = heads * group, ld = (nh + 15) / 16 * 16;
   const int64_t lines = (heads * D * static_cast<int64_t>(sizeof(float)) + 63) / 64;  // of a K (or V) row
@@ -553,7 +554,7 @@ void heads_f32_pages(const float* qf, const float* k, const float* v, int64_t k_
             d[i] = _mm512_setzero_ps();
             continue;
           }
-          const float* qh = qf + (h0 + i) * D;
+          const float* qh = q + (h0 + i) * q_s1;
           const float* kh = krow + koff[h0 + i];
           __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kh));
 #pragma GCC unroll 16
@@ -992,23 +993,24 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
             continue;
           }
         }
-#endif
-        for (int64_t h = 0; h < nh; ++h) {  // the queries in float32 (heads_bf16_pages reads them as stored)
-          const scalar_t* src = qp + row * q_s0 + (h0 + h) * q_s1;
-          for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]);
-        }
-#if defined(__AVX512F__)
         if constexpr (std::is_same_v<scalar_t, float>) {
           if (heads >= kPagesMinHeads) {
             scores.resize(kRowsF32 * st.alpha.size());
-            heads_f32_pages<kHeadDim / 16>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
-                                           k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
-                                           st.alpha.data(), maxes.data(), sums.data(), st.koff.data(),
-                                           next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
+            heads_f32_pages<kHeadDim / 16>(qp + row * q_s0 + h0 * q_s1, q_s1, kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1,
+                                           v_s1, slots + first, n, k_s0, v_s0, heads_per_item, group, fscale,
+                                           acc.data(), scores.data(), st.alpha.data(), maxes.data(), sums.data(),
+                                           st.koff.data(), next ? slots + ptr[s + 1] : nullptr,
+                                           next ? ptr[s + 2] - ptr[s + 1] : 0);
             write_out(h0, nh, row);
             continue;
           }
         }
+#endif
+        for (int64_t h = 0; h < nh; ++h) {  // the queries in float32 (the pages paths read them as stored)
+          const scalar_t* src = qp + row * q_s0 + (h0 + h) * q_s1;
+          for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]);
+        }
+#if defined(__AVX512F__)
         scores.resize(group * kBlock);
         heads_avx512<scalar_t, kHeadDim / 16>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
                                               k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
