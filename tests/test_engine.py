@@ -83,6 +83,22 @@ def test_wide_attention_matches_transformers_in_a_staggered_batch(hf_checkpoint,
     assert_all_pages_returned(engine)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 4, 64), (4, 2, 16)])
+def test_decodes_over_contexts_cut_into_chunks_match_transformers(hf_checkpoint, heads, kv_heads, head_dim):
+    """The decode kernel cuts a context past 1,024 tokens into chunks of 1,024 and merges their
+    softmaxes: sequences that decode across the first cut and the second, beside a short one,
+    against transformers (both float32 paths: eight query heads or more, and fewer)."""
+    model_dir = hf_checkpoint("llama", hidden_size=heads * head_dim, num_attention_heads=heads,
+                              num_key_value_heads=kv_heads, intermediate_size=128, max_position_embeddings=4096)
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=320))
+    prompts = [random_prompts(1, (n, n), seed=n)[0] for n in (1016, 2040, 40)]
+    reqs = run_staggered(engine, prompts, StoppingParams(max_new_tokens=16, ignore_eos=True), every=1)
+    compared = sum(assert_matches_reference(req.output_token_ids, req.output_logprobs, hf_greedy(model_dir, prompt, 16))
+                   for prompt, req in zip(prompts, reqs))
+    assert compared >= 40, compared
+    assert_all_pages_returned(engine)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_preemption_under_a_tiny_pool_keeps_tokens_exact(hf_checkpoint, arch):
     model_dir = hf_checkpoint(arch)

@@ -144,6 +144,49 @@ def test_decode_kernel_gives_the_same_bits_however_its_work_is_split(heads, kv_h
     assert torch.equal(whole, split)
 
 
+# Contexts past 1,024 tokens are cut into chunks of 1,024 whose softmaxes are merged: one chunk
+# exactly, one token past it, two chunks exactly, and three beside a short sequence.
+LONG_DECODES = [(2500, 1), (1024, 1), (1025, 1), (5, 1), (2048, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 12, 4), (16, 4, 2), (128, 8, 8), (20, 4, 2)])
+def test_decode_kernel_over_contexts_cut_into_chunks_equals_the_reference(dim, heads, kv_heads, dtype):
+    q, kc, vc, seqs, _ = build_case(LONG_DECODES, heads=heads, kv_heads=kv_heads, dim=dim, num_pages=420, seed=dim)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    plan = AttentionPlan(seqs)
+    assert len(plan.decodes) == (5 if native.decode_attention() else 0)
+    ref = paged_attention_reference(q.float(), kc.float(), vc.float(), seqs, scale=dim**-0.5)
+    out = plan(q, kc, vc, dim**-0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:  # as in half precision over short contexts (below)
+        assert (out.float() - ref.to(dtype).float()).abs().max() <= (ref.abs().max() * 2 ** -7).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 4, 64), (4, 2, 16)])
+def test_a_long_context_gives_the_same_bits_whatever_the_threads_and_the_batch(heads, kv_heads, dim, dtype):
+    # Nine chunks: one thread takes them whole, two and four threads share them as whole chunks,
+    # eight take (chunk, KV head) pairs; the 2,500-token sequence alone (three chunks) goes by pairs on
+    # two threads. A chunk's partial softmax and the merge must come out the same every way.
+    q, kc, vc, seqs, _ = build_case(LONG_DECODES, heads=heads, kv_heads=kv_heads, dim=dim, num_pages=420, seed=3)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 4, 8):
+            torch.set_num_threads(n)
+            outs.append(AttentionPlan(seqs)(q, kc, vc, 0.125))
+        torch.set_num_threads(2)
+        alone = AttentionPlan([SequenceSlice(0, 1, seqs[0].slots, None)])(q[:1], kc, vc, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(outs[0], out)
+    assert torch.equal(alone, outs[0][:1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim,heads,kv_heads", [(32, 4, 2), (64, 8, 2), (128, 12, 4), (40, 4, 4), (16, 4, 2), (20, 4, 2),
                                                (64, 20, 4), (256, 4, 2)])

@@ -4,8 +4,9 @@
 // several times what one decode query's memory traffic needs; a step with 32 decoding sequences
 // made 32 calls per layer. This kernel takes all decoding sequences of a step at once, reads each
 // sequence's K and V in place through its slot list (no gather), and splits the work over
-// sequences (all KV heads of a slot's row together, so rows stream in order) or, with fewer
-// sequences than twice the threads, (sequence, KV head) pairs, with ATen's thread pool. Softmax is
+// chunks of up to kChunkTokens of a sequence's context (all KV heads of a slot's row together, so
+// rows stream in order) or, with fewer chunks than twice the threads, (chunk, KV head) pairs, with
+// ATen's thread pool. Softmax is
 // in float32, as in SDPA. With AVX-512 and a head size that is a multiple of 16 (float32,
 // bfloat16 and float16 alike), each K and V row is read once for all query heads of its GQA
 // group, in one pass with an online softmax; 16 keys' scores are reduced together (`sum16`) and
@@ -33,7 +34,11 @@
 // and so does the AVX-512 float32 path (heads_f32_pages; AMD EPYC Zen 5, one thread, 53 sequences
 // of about 330 tokens: 2.07-2.11 -> 1.33-1.42 ms per call) for models of eight query heads or more;
 // the per-head block path (heads_avx512) is left to float32 models with fewer and to half
-// precision without AVX512-BF16's dot products.
+// precision without AVX512-BF16's dot products. A context past kChunkTokens is cut into chunks
+// computed as items of their own and merged after (as flash-decoding does), so one long sequence
+// streams whole rows on every thread where each thread read one KV head's piece of every row
+// (AMD EPYC Zen 4, two threads, float32, one sequence of 32,768 tokens with the benchmark model's
+// heads: 10.8 -> 4.4-4.7 ms a call; 8,192 tokens with 32 heads over 8 of 128: 9.0 -> 4.5-4.8).
 //
 // Registered as torch.ops.kvmesh.decode_attention_ (writes into `out`).
 
@@ -61,6 +66,11 @@ namespace {
 // Below this many K values per call (1 MB of K and V in float32, some tens of microseconds on
 // one core) the work stays on the calling thread.
 constexpr int64_t kParallelMinElements = 1 << 17;
+
+// A sequence's context is cut into chunks of this many tokens (a multiple of every path's page and
+// block), computed as separate items and merged (`run`). Contexts up to it are computed whole, as
+// before the cut; 512 was no faster on two threads, and would cut the served workload's contexts.
+constexpr int64_t kChunkTokens = 1024;
 
 // A page of a sequence's slots (up to `size` from `t0`) for the paths that go a page at a time,
 // and the slots whose rows are fetched while it is computed: the next page's, or after the last
@@ -922,16 +932,51 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t v_s0 = v_cache.stride(0), v_s1 = v_cache.stride(1);
   const float fscale = static_cast<float>(scale);
 
+  // A sequence longer than kChunkTokens is cut along its context into chunks of that many tokens
+  // (the last may be shorter), each computed on its own, as flash-decoding does, and the chunks'
+  // partial softmaxes are merged in chunk order after them. One long sequence then streams whole
+  // rows on every thread instead of one KV head's piece of each row per thread. The cut depends on
+  // the sequence's length alone, so its bits do not depend on the threads or on the batch.
+  std::vector<int64_t> chunk_ptr(num_seqs + 1, 0);  // sequence s's chunks: [chunk_ptr[s], chunk_ptr[s + 1])
+  for (int64_t s = 0; s < num_seqs; ++s)
+    chunk_ptr[s + 1] = chunk_ptr[s] + (ptr[s + 1] - ptr[s] + kChunkTokens - 1) / kChunkTokens;
+  const int64_t chunks = chunk_ptr[num_seqs];
+  // Each chunk's sequence, and where a chunk of a cut sequence keeps its partial result (-1: the
+  // sequence's only chunk, written straight to the output).
+  std::vector<int64_t> chunk_seq(chunks), part(chunks, -1);
+  std::vector<int64_t> cut;  // the sequences that were cut
+  int64_t parts = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const bool whole = chunk_ptr[s + 1] - chunk_ptr[s] == 1;
+    if (!whole) cut.push_back(s);
+    for (int64_t c = chunk_ptr[s]; c < chunk_ptr[s + 1]; ++c) chunk_seq[c] = s, part[c] = whole ? -1 : parts++;
+  }
+  // The partials: each query head's unnormalised output (head_dim values), running max and sum.
+  thread_local std::vector<float> partials;
+  partials.resize(parts * heads * (head_dim + 2));
+  float* part_acc = partials.data();
+  float* part_max = part_acc + parts * heads * head_dim;
+  float* part_sum = part_max + parts * heads;
+
   // Like torch's own kernels, stay on the calling thread when the work is small: a parallel region
   // costs more than a few thousand dot products, and idle pool threads spin on shared cores.
-  // A work item is one sequence with all its KV heads (its rows stream in order) when there are
-  // enough sequences to share among the threads, or only one thread, else one (sequence, KV head).
+  // A work item is one chunk with all its KV heads (its rows stream in order) when there are
+  // enough chunks to share among the threads, or only one thread, else one (chunk, KV head).
   // Every path computes a head the same whatever heads share its item.
   const int64_t key_elements = slot_ids.size(0) * kv_heads * head_dim;  // K (and V) values read
-  const bool whole_rows = at::get_num_threads() == 1 || num_seqs >= 2 * at::get_num_threads();
+  const bool whole_rows = at::get_num_threads() == 1 || chunks >= 2 * at::get_num_threads();
   const int64_t heads_per_item = whole_rows ? kv_heads : 1;
-  const int64_t work_items = num_seqs * (kv_heads / heads_per_item);
+  const int64_t items_per_chunk = kv_heads / heads_per_item;
+  const int64_t work_items = chunks * items_per_chunk;
   const int64_t grain = key_elements < kParallelMinElements ? std::max<int64_t>(work_items, 1) : 1;
+  // Chunk c's slots: its sequence, the first slot's index in slot_ids, and how many.
+  struct Span {
+    int64_t seq, first, n;
+  };
+  auto span = [&](int64_t c) {
+    const int64_t s = chunk_seq[c], t0 = (c - chunk_ptr[s]) * kChunkTokens;
+    return Span{s, ptr[s] + t0, std::min(kChunkTokens, ptr[s + 1] - ptr[s] - t0)};
+  };
   // Sequences differ in length, and a thread may be taken off its core: items go out in claims.
   struct Scratch {
     std::vector<float> qf, acc, sums, maxes, scores;
@@ -959,8 +1004,17 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   };
   kvmesh::parallel_claims(work_items, grain, scratch, [&](Scratch& st, int64_t begin, int64_t end) {
     auto &qf = st.qf, &acc = st.acc, &sums = st.sums, &maxes = st.maxes, &scores = st.scores;
-    // query heads [h0, h0 + nh) of q's row `row`: acc[h] / sums[h] into the output
-    auto write_out = [&](int64_t h0, int64_t nh, int64_t row) {
+    // query heads [h0, h0 + nh) of chunk c, acc[h] / sums[h] with running maxes[h]: into the output
+    // where the chunk is its sequence's only one, else into the chunk's partials
+    auto write_out = [&](int64_t h0, int64_t nh, int64_t c) {
+      if (part[c] >= 0) {
+        const int64_t at = part[c] * heads + h0;
+        std::copy(acc.begin(), acc.begin() + nh * head_dim, part_acc + at * head_dim);
+        std::copy(maxes.begin(), maxes.begin() + nh, part_max + at);
+        std::copy(sums.begin(), sums.begin() + nh, part_sum + at);
+        return;
+      }
+      const int64_t row = rows[chunk_seq[c]];
       for (int64_t h = 0; h < nh; ++h) {
         scalar_t* dst = op + row * o_s0 + (h0 + h) * o_s1;
         const float inv = 1.f / sums[h];
@@ -968,14 +1022,16 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
     };
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t items_per_seq = kv_heads / heads_per_item;
-      const int64_t s = work / items_per_seq, kv0 = (work % items_per_seq) * heads_per_item;
-      const int64_t row = rows[s], first = ptr[s], n = ptr[s + 1] - first;
+      const int64_t c = work / items_per_chunk, kv0 = (work % items_per_chunk) * heads_per_item;
+      const Span here = span(c);
+      const int64_t row = rows[here.seq], first = here.first, n = here.n;
 #if defined(__AVX512F__) || defined(__AVX2__)
       if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
         const int64_t h0 = kv0 * group, nh = heads_per_item * group;  // query heads [h0, h0 + nh)
         // The next sequence this thread takes reads the same heads' pointers where items are whole rows.
         const bool next = whole_rows && work + 1 < end;
+        const Span after = next ? span(c + 1) : Span{0, 0, 0};
+        const int64_t* next_slots = next ? slots + after.first : nullptr;
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHeadDim % 32 == 0 && kHeadDim <= 256) {
           if (cpu_has_bf16_dot()) {
@@ -988,8 +1044,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                                             v_s1, slots + first, n, k_s0, v_s0, heads_per_item, group, fscale,
                                             acc.data(), scores.data(), st.wpair.data(), st.alpha.data(),
                                             maxes.data(), sums.data(), st.koff.data(), vpairs,
-                                            next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
-            write_out(h0, nh, row);
+                                            next_slots, after.n);
+            write_out(h0, nh, c);
             continue;
           }
         }
@@ -999,9 +1055,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
             heads_f32_pages<kHeadDim / 16>(qp + row * q_s0 + h0 * q_s1, q_s1, kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1,
                                            v_s1, slots + first, n, k_s0, v_s0, heads_per_item, group, fscale,
                                            acc.data(), scores.data(), st.alpha.data(), maxes.data(), sums.data(),
-                                           st.koff.data(), next ? slots + ptr[s + 1] : nullptr,
-                                           next ? ptr[s + 2] - ptr[s + 1] : 0);
-            write_out(h0, nh, row);
+                                           st.koff.data(), next_slots, after.n);
+            write_out(h0, nh, c);
             continue;
           }
         }
@@ -1015,15 +1070,15 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         heads_avx512<scalar_t, kHeadDim / 16>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
                                               k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
                                               maxes.data(), sums.data(), st.kbuf.data(), st.vbuf.data(),
-                                              next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
+                                              next_slots, after.n);
 #else
         scores.resize(kRowsAvx2 * ((nh + 7) / 8 * 8));
         heads_avx2<scalar_t, kHeadDim / 8>(qf.data(), kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, slots + first, n,
                                            k_s0, v_s0, heads_per_item, group, fscale, acc.data(), scores.data(),
                                            maxes.data(), sums.data(), st.koff.data(),
-                                           next ? slots + ptr[s + 1] : nullptr, next ? ptr[s + 2] - ptr[s + 1] : 0);
+                                           next_slots, after.n);
 #endif
-        write_out(h0, nh, row);
+        write_out(h0, nh, c);
         continue;
       }
 #endif
@@ -1054,7 +1109,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
             sg[t] = std::exp(sg[t] - m);
             sum += sg[t];
           }
-          sums[g] = sum;
+          sums[g] = sum, maxes[g] = m;
         }
         for (int64_t t = 0; t < n; ++t) {
           const scalar_t* value = vp + slots[first + t] * v_s0 + kvh * v_s1;
@@ -1065,12 +1120,33 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
             for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(value[d]);
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          scalar_t* dst = op + row * o_s0 + (kvh * group + g) * o_s1;
-          const float inv = 1.f / sums[g];
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv);
-        }
+        write_out(kvh * group, group, c);
       }
+    }
+  });
+
+  // Each cut sequence's heads: its chunks' partials rescaled to their largest max and summed in
+  // chunk order.
+  const int64_t merges = static_cast<int64_t>(cut.size()) * heads;
+  const int64_t merge_grain = parts * heads * head_dim < kParallelMinElements ? std::max<int64_t>(merges, 1) : 1;
+  at::parallel_for(0, merges, merge_grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> total(head_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = cut[i / heads], h = i % heads;
+      const int64_t p0 = part[chunk_ptr[s]], p1 = p0 + chunk_ptr[s + 1] - chunk_ptr[s];
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t p = p0; p < p1; ++p) top = std::max(top, part_max[p * heads + h]);
+      float sum = 0.f;
+      std::fill(total.begin(), total.end(), 0.f);
+      for (int64_t p = p0; p < p1; ++p) {
+        const float w = std::exp(part_max[p * heads + h] - top);
+        sum += w * part_sum[p * heads + h];
+        const float* a = part_acc + (p * heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) total[d] += w * a[d];
+      }
+      scalar_t* dst = op + rows[s] * o_s0 + h * o_s1;
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(total[d] * inv);
     }
   });
 }
