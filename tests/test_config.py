@@ -61,3 +61,23 @@ def test_fleet_settings_are_checked_and_errors_name_the_setting():
         with pytest.raises(ValueError) as e:
             cls(**settings)
         assert message in str(e.value), (settings, str(e.value))
+
+
+def test_the_step_budget_is_each_workers_own_unless_one_is_given():
+    """--max-batched-tokens 0 (the default) takes what each worker reports for its device and dtype
+    (2,048 for bfloat16 on a CPU with AMX), a worker that reports none (an older one) gets 1,024,
+    and a budget given wins over the worker's."""
+    from prometheus_client import CollectorRegistry
+
+    from kvmesh.metrics import SchedulerMetrics
+    from kvmesh.services.config import SchedulerServiceConfig
+    from kvmesh.services.scheduler.worker_loop import WorkerLoop
+    from kvmesh.v1 import worker_pb2
+
+    def budget(given: int, reported: int) -> int:
+        info = worker_pb2.WorkerInfo(num_pages=64, page_size=16, max_context=4096, step_tokens=reported)
+        loop = WorkerLoop({"id": "w", "address": "w:1"}, info, SchedulerServiceConfig(max_batched_tokens=given), None,
+                          SchedulerMetrics(CollectorRegistry()))
+        return loop.core.config.max_batched_tokens
+
+    assert [budget(0, 2048), budget(0, 0), budget(512, 2048)] == [2048, 1024, 512]

@@ -240,6 +240,7 @@ def test_only_the_owning_scheduler_may_have_a_worker_fetch_pages(pair):
     worker = next(c for c in pair.children if c.name.startswith("worker"))
     info, refused, layout = asyncio.run(calls(worker.address))
     assert info.lease_token > 0
+    assert info.step_tokens == 1024  # its step size on a CPU in float32, which its scheduler steps by
     assert all(code == grpc.StatusCode.FAILED_PRECONDITION and "is not the lease token" in why for code, why in refused)
     assert layout[0] == grpc.StatusCode.FAILED_PRECONDITION and "page layout differs" in layout[1]
 

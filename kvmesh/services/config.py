@@ -194,7 +194,7 @@ class SchedulerServiceConfig:
     autoscale_min_workers: int = dataclasses.field(default=1, metadata=_help("autoscaling: fewest workers"))
     autoscale_max_workers: int = dataclasses.field(default=8, metadata=_help("autoscaling: most workers"))
     autoscale_scale_down_delay_s: float = dataclasses.field(default=300.0, metadata=_help("autoscaling: a lower count must hold this long before scaling down"))
-    max_batched_tokens: int = dataclasses.field(default=1024, metadata=_help("tokens per step"))
+    max_batched_tokens: int = dataclasses.field(default=0, metadata=_help("tokens per step (0: what each worker reports for its device and dtype: 1024, or 2048 for bfloat16 on a CPU with AMX)"))
     max_num_seqs: int = dataclasses.field(default=128, metadata=_help("running sequences per worker"))
     victim_policy: str = dataclasses.field(default="newest", metadata=_help("newest, priority or size"))
     max_prefill_chunk: int = dataclasses.field(default=512, metadata=_help("prefill tokens one request may take per step (0: the whole budget); leaves room for short requests beside a long prompt"))
@@ -256,11 +256,12 @@ class SchedulerServiceConfig:
                      "scale_down_delay_s": "autoscale_scale_down_delay_s"}
             raise ValueError(re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m.group(1)], str(e))) from None
 
-    def core_config(self):
+    def core_config(self, worker_step_tokens: int = 0):
+        """The scheduler core's settings for a worker that reports `worker_step_tokens` (0: none)."""
         from kvmesh.services.scheduler.core import SchedulerConfig
 
-        return SchedulerConfig(self.max_batched_tokens, self.max_num_seqs, self.victim_policy, self.aging_s, self.batching,
-                               self.max_prefill_chunk, self.min_shared_wait_tokens)
+        return SchedulerConfig(self.max_batched_tokens or worker_step_tokens or None, self.max_num_seqs, self.victim_policy,
+                               self.aging_s, self.batching, self.max_prefill_chunk, self.min_shared_wait_tokens)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,9 @@ DEFAULT_STEP_TOKENS = 1024
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """max_batched_tokens: tokens per step (decode tokens plus prefill chunks); None: 1024, or in
-    the in-process engine the model's own step size (`default_step_tokens`).
+    """max_batched_tokens: tokens per step (decode tokens plus prefill chunks); None: 1024, or the
+    model's own step size (`default_step_tokens`) in the in-process engine and where the scheduler
+    service's worker reports one.
     max_num_seqs: running requests at most. victim_policy: which running request is preempted
     when pages run out: newest admitted, lowest priority (then newest), or largest KV.
     aging_s: a waiting request gains one priority point per aging_s seconds (0: no aging).

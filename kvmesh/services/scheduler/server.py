@@ -569,7 +569,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 loop.ramp = AdmissionRamp(time.monotonic(), self.cfg.max_num_seqs, self.cfg.admission_ramp_s)
             self.workers[record["id"]] = loop
             loop.task = asyncio.create_task(loop.run(channel))
-            log.info("scheduling on worker %s (%s %s) at %s", loop.worker_id, self.cfg.pool, loop.version, loop.address)
+            log.info("scheduling on worker %s (%s %s) at %s, %d tokens a step", loop.worker_id, self.cfg.pool, loop.version,
+                     loop.address, loop.core.config.max_batched_tokens)
         self._ramp_new_workers = self._ramp_new_workers or bool(self.workers)  # the first ones start at full speed
         registered = {r["id"] for r in records}
         for worker_id, loop in list(self.workers.items()):

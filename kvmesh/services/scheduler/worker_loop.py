@@ -142,7 +142,7 @@ class WorkerLoop:
         self.on_gone = on_gone  # (loop, reason) -> moves its requests to other workers when the worker dies
         self.health_checks: set[str] = set()  # request ids of health checks in flight (never moved)
         self.pool = TracedPagePool(self.worker_id, info.num_pages, info.page_size, cfg.prefix_caching)
-        self.core = Scheduler(self.pool, cfg.core_config(), max_context=info.max_context or None)
+        self.core = Scheduler(self.pool, cfg.core_config(info.step_tokens), max_context=info.max_context or None)
         self.tier: set[bytes] = set()  # the hashes in the worker's host-memory tier, as it reports them
         tier_pages = info.offload_bytes // info.page_bytes if info.page_bytes else 0
         self.publisher = KVPublisher(self.pool, self.worker_id, info.epoch, lease_token, kvcache, self.tier, tier_pages)

@@ -61,19 +61,22 @@ def default_dtype(device: torch.device, asked: str | None) -> str | None:
 
 
 def default_step_tokens(device: torch.device, dtype: torch.dtype) -> int:
-    """Tokens per step for the in-process engine (`kvmesh offline`, `LLMEngine`) when not given:
-    1,024 (the scheduler service's default), but 2,048 for bfloat16 on a CPU with AMX. There
-    oneDNN's tile kernels, which take a prompt step's products, multiply 512-1,024 rows at about
-    half their speed at 256 or 2,048 (Intel Xeon with AMX, two threads, three of the benchmark
-    model's four shapes: 1.2-1.5 TFLOP/s against 2.3-2.9), and the engine issue's offline workload
-    ran 1.05-1.13x faster in 2,048-token steps (docs/benchmarks.md). float32 pays for larger steps
-    (about 1.12x the prompt time at 4,096), and served latency is not measured at 2,048 here, so
-    the scheduler service keeps 1,024."""
+    """Tokens per step for a model on `device` in `dtype` when not given: the in-process engine's
+    (`kvmesh offline`, `LLMEngine`), and the scheduler service's for a worker that reports it
+    (`WorkerInfo.step_tokens`, where `--max-batched-tokens` is 0). 1,024 (`DEFAULT_STEP_TOKENS`),
+    but 2,048 for bfloat16 on a CPU with AMX. There oneDNN's tile kernels, which take a prompt
+    step's products, multiply 512-1,024 rows at about half their speed at 256 or 2,048 (Intel Xeon
+    with AMX, two threads, three of the benchmark model's four shapes: 1.2-1.5 TFLOP/s against
+    2.3-2.9); the engine issue's offline workload ran 1.05-1.13x faster in 2,048-token steps, and
+    served at 8 requests/s with TTFT p50 7-15% lower (docs/benchmarks.md). Elsewhere larger steps
+    gain little per prompt token (AMD EPYC Zen 4, bfloat16: 2,048 2% cheaper than 1,024) and decode
+    every running request half as often."""
     from kvmesh.kernels import native
+    from kvmesh.services.scheduler.core import DEFAULT_STEP_TOKENS
 
     if device.type == "cpu" and dtype == torch.bfloat16 and native.amx_tiles():
         return 2048
-    return 1024
+    return DEFAULT_STEP_TOKENS
 
 
 def kv_cache_bytes(total: int, free_at_start: int, free_after_profile: int, activation_peak: int,

@@ -486,7 +486,8 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
         max_context=runner.max_context, vocab_size=mcfg.vocab_size, eos_token_ids=list(mcfg.eos_token_ids),
         epoch=epoch, pool=cfg.pool, version=cfg.version, check_prompt=prompt, check_answer=answer,
         device=str(runner.model.device), dtype=str(runner.model.dtype).removeprefix("torch."),
-        page_bytes=runner.store.page_bytes, offload_bytes=runner.store.tier_capacity * runner.store.page_bytes)
+        page_bytes=runner.store.page_bytes, offload_bytes=runner.store.tier_capacity * runner.store.page_bytes,
+        step_tokens=device.default_step_tokens(runner.model.device, runner.model.dtype))
     cold_start = time.time() - psutil.Process().create_time()
     service.metrics.cold_start.set(cold_start)
     print(f"worker {worker_id} ready on {address} ({runner.pool.num_pages} KV pages, epoch {epoch}, "
