@@ -83,11 +83,13 @@ def test_wide_attention_matches_transformers_in_a_staggered_batch(hf_checkpoint,
     assert_all_pages_returned(engine)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 4, 64), (4, 2, 16)])
-def test_decodes_over_contexts_cut_into_chunks_match_transformers(hf_checkpoint, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 4, 64), (4, 2, 16), (8, 8, 128)])
+def test_long_contexts_match_transformers(hf_checkpoint, heads, kv_heads, head_dim):
     """The decode kernel cuts a context past 1,024 tokens into chunks of 1,024 and merges their
     softmaxes: sequences that decode across the first cut and the second, beside a short one,
-    against transformers (both float32 paths: eight query heads or more, and fewer)."""
+    against transformers (both float32 paths: eight query heads or more, and fewer). With 8 KV
+    heads of 128 the 2,040-token prompt's K and V pass 8 MiB, which the prefill kernel computes in
+    tall tiles."""
     model_dir = hf_checkpoint("llama", hidden_size=heads * head_dim, num_attention_heads=heads,
                               num_key_value_heads=kv_heads, intermediate_size=128, max_position_embeddings=4096)
     engine = LLMEngine(EngineConfig(model=model_dir, num_pages=320))

@@ -19,9 +19,10 @@
 // the weights rounded to bfloat16 first, as transformers' bfloat16 attention rounds them).
 // Other half-precision inputs are widened to float32 block by block.
 //
-// Work items are (sequence, KV head, tile of query tokens); they are dealt to the threads largest
-// first (the causal mask makes a chunk's last tiles the costliest), and a step whose prefill is
-// small stays on the calling thread.
+// Work items are (sequence, KV head, tile of query tokens; tiles four times as tall where a
+// sequence's K and V outgrow the caches, so that each row read from memory serves more queries);
+// they are dealt to the threads largest first (the causal mask makes a chunk's last tiles the
+// costliest), and a step whose prefill is small stays on the calling thread.
 //
 // Registered as torch.ops.kvmesh.prefill_attention_ (writes the prefill rows of `out`).
 
@@ -58,6 +59,12 @@ constexpr int64_t kRowVecs = kW == 16 ? 4 : 2;
 constexpr int64_t kDimVecs = kW == 16 ? 4 : 2;
 // Below this many multiply-adds a call stays on the calling thread (some tens of microseconds).
 constexpr double kParallelMinWork = 1 << 21;
+// A sequence with this many bytes of K and V or more is computed in tall tiles (`run`). AMD EPYC
+// Zen 4 (32 MiB of L3), one thread, a 1,024-token chunk after a prefix, the benchmark model's heads:
+// float32 at 16,000 tokens of context 921-940 -> 742-795 ms, at 8,192 431 -> 360-372, level at
+// 4,096 (8 MiB), 2-7% slower at 1,024 (so short contexts keep short tiles); bfloat16 at 16,000
+// 656 -> 512. A row's output is the same in a tile of any height.
+constexpr int64_t kTallTileBytes = 8 << 20;
 
 struct Seq {
   int64_t row, nq, first, ctx;  // query rows [row, row + nq) at positions ctx - nq ..; slots [first, first + ctx)
@@ -396,11 +403,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) bf16_dot = cpu_has_bf16_dot();
 #endif
-  const int64_t tile_tokens = group == 1 ? 32 : 16;
   std::vector<Item> items;
   double total = 0;
   for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
     const Seq& sq = seqs[i];
+    // A sequence whose K and V outgrow the caches takes tiles four times as tall: each K and V row
+    // then comes from memory for four times the query rows.
+    const bool tall = sq.ctx * kv_heads * D * 2 * static_cast<int64_t>(sizeof(scalar_t)) >= kTallTileBytes;
+    const int64_t tile_tokens = (group == 1 ? 32 : 16) * (tall ? 4 : 1);
     for (int64_t t0 = 0; t0 < sq.nq; t0 += tile_tokens) {
       const int64_t t1 = std::min(sq.nq, t0 + tile_tokens);
       const int64_t last = sq.ctx - sq.nq + t1 - 1;
