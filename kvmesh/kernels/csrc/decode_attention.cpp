@@ -6,11 +6,11 @@
 // sequence's K and V in place through its slot list (no gather), and splits the work over
 // chunks of up to kChunkTokens of a sequence's context (all KV heads of a slot's row together, so
 // rows stream in order) or, with fewer chunks than twice the threads, (chunk, KV head) pairs, with
-// ATen's thread pool. Softmax is
-// in float32, as in SDPA. With AVX-512 and a head size that is a multiple of 16 (float32,
-// bfloat16 and float16 alike), each K and V row is read once for all query heads of its GQA
-// group, in one pass with an online softmax; 16 keys' scores are reduced together (`sum16`) and
-// the weighted sum of V runs four accumulator sets, so neither waits on one instruction's latency;
+// ATen's thread pool. Softmax is in float32, as in SDPA. With AVX-512 and a head size that is a
+// multiple of 16 (float32, bfloat16 and float16 alike), each K and V row is read once for all
+// query heads of its GQA group, in one pass with an online softmax; 16 keys' scores are reduced
+// together (`sum16`) and the weighted sum of V runs four accumulator sets, so neither waits on one
+// instruction's latency;
 // bfloat16 keys go straight into AVX512-BF16 dot products where the CPU has them (2026-12-01, 32
 // sequences of 620 tokens, 12 heads over 4, head_dim 64, two threads: bfloat16 0.96 -> 0.63 ms
 // per call, float32 1.63 -> 1.24 ms), and so do bfloat16 V rows, two tokens at a time against
@@ -1028,7 +1028,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(__AVX512F__) || defined(__AVX2__)
       if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
         const int64_t h0 = kv0 * group, nh = heads_per_item * group;  // query heads [h0, h0 + nh)
-        // The next sequence this thread takes reads the same heads' pointers where items are whole rows.
+        // The next chunk this thread takes (the same sequence's next, or the next sequence's first)
+        // reads the same heads' pointers where items are whole rows: its first rows are fetched ahead.
         const bool next = whole_rows && work + 1 < end;
         const Span after = next ? span(c + 1) : Span{0, 0, 0};
         const int64_t* next_slots = next ? slots + after.first : nullptr;
