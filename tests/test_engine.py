@@ -289,6 +289,34 @@ def test_steps_whose_mlp_runs_in_blocks_of_rows_match_transformers(hf_checkpoint
     assert compared >= 40, f"compared only {compared} tokens"
 
 
+@pytest.mark.parametrize("mlp_rows", [1 << 20, 40], ids=["one-block", "mlp-blocks"])
+def test_steps_padded_to_onednns_row_counts_match_transformers(hf_checkpoint, mlp_rows):
+    model_dir = hf_checkpoint("llama")
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=96))
+    model = engine.model
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch: no products padded")
+    for layer in model.layers:  # every product through oneDNN, so every step is padded
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            linear.add_onednn_copy()
+            linear.small_limit = 0
+    model.mlp_rows = mlp_rows
+    padded = []
+    step_rows = model.step_rows
+    model.step_rows = lambda t: padded.append((t, *step_rows(t))) or padded[-1][1:]
+    prompts = random_prompts(5, (19, 70), seed=11)
+    reqs = run_staggered(engine, prompts, StoppingParams(max_new_tokens=10, ignore_eos=True), every=2)
+    compared = sum(assert_matches_reference(r.output_token_ids, r.output_logprobs, hf_greedy(model_dir, p, 10))
+                   for p, r in zip(prompts, reqs))
+    assert compared >= 40, f"compared only {compared} tokens"
+    # steps of prompts beside decodes and of decodes alone, nearly all padded to more rows
+    assert sum(rows > t for t, rows, _ in padded) >= len(padded) // 2, padded
+    assert all(rows % block == 0 and block % 16 == 0 for _, rows, block in padded), padded
+    if mlp_rows == 40:
+        assert any(rows > block for _, rows, block in padded), padded  # the MLP ran in blocks
+    assert_all_pages_returned(engine)
+
+
 def test_the_mlp_block_keeps_its_output_within_half_the_last_level_cache(monkeypatch):
     from kvmesh.services.worker import model as model_module
 

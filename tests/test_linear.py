@@ -12,6 +12,7 @@ from kvmesh.kernels.linear import (
     half_linear_dtype,
     native_half_products,
     onednn_multiplies,
+    onednn_rows,
     small_rows_copies,
     small_rows_dtype,
     small_rows_only,
@@ -359,3 +360,24 @@ def test_the_kernels_layout_gives_the_weight_back(dtype):
         pytest.skip("no few-rows kernel on this CPU (it needs AVX2 or AVX-512)")
     weight = make_case(130, 258, 1, dtype, with_bias=False)[0]
     assert torch.equal(linear_module._small_unpack(linear_module._small_pack(weight), 130), weight)
+
+
+def test_onednn_is_given_few_row_counts_each_at_most_a_sixteenth_above_the_rows():
+    counts = {onednn_rows(rows) for rows in range(1, 4097)}
+    for rows in range(1, 4097):
+        padded = onednn_rows(rows)
+        assert rows <= padded <= max(-(-rows // 16) * 16, rows + rows // 16), (rows, padded)
+        assert padded % 16 == 0 and onednn_rows(padded) == padded, (rows, padded)
+    # multiples of 16 up to 256, then 16 counts per power of two: every step size up to 4,096 tokens
+    # takes 80 kernels per weight shape, within oneDNN's cache of 1,024 for a layer's four shapes
+    assert len(counts) == 16 + 4 * 16, sorted(counts)
+
+
+def test_a_layer_says_which_products_go_to_onednn():
+    weight, _, _ = make_case(64, 32, 1, torch.float32, with_bias=False)
+    layer = PackedLinear(weight, small_rows=True)
+    if layer.packed is None:
+        assert not layer.onednn_takes(1) and not layer.onednn_takes(4096)
+        return
+    assert layer.onednn_takes(layer.small_limit + 1) and not layer.onednn_takes(layer.small_limit)
+    assert not PackedLinear(weight, pack=False).onednn_takes(4096)  # F.linear compiles nothing by rows

@@ -56,6 +56,19 @@ SMALL_ROWS = {32: 48, 16: None}  # by the build's block width (native.small_line
 AMX_BF16_ROWS = 128
 
 
+def onednn_rows(rows: int) -> int:
+    """`rows` rounded up to a multiple of a sixteenth of its power of two (16 at least): the row
+    counts a forward pass gives oneDNN (`CausalLM.step_rows`). oneDNN compiles a kernel for each
+    row count it multiplies and keeps the last 1,024 it compiled; a served worker's steps carry every
+    count from a few decodes to the step budget (each prompt's length plus the decodes beside it),
+    so most prompt steps compiled their own: 10-14 ms a step for the four products of a layer in
+    bfloat16 on AMX's tile units, where the products themselves took 2-3 ms, and about 2 ms in
+    float32 (Intel Xeon with AMX, two threads, the benchmark model's shapes at 150-520 rows). Rounded
+    so, a step's products run at most 1/16 more rows, from a set of 16 counts per power of two."""
+    step = max(16, 1 << max(0, rows.bit_length() - 5))
+    return -(-rows // step) * step
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
@@ -222,6 +235,11 @@ class PackedLinear:
             weight = _small_unpack(self.small, self.out_features).contiguous()
             self.packed = _pack(weight)
             self.weight = weight if self.packed is None else None
+
+    def onednn_takes(self, rows: int) -> bool:
+        """Whether oneDNN's copy takes a product of `rows` rows (the few-rows kernel and `F.linear`,
+        the others, compile nothing by row count)."""
+        return self.packed is not None and rows > self.small_limit
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`residual`, when given, is added to the product (in the same oneDNN call where packed)."""

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kvmesh.kernels import native
 from kvmesh.kernels.attention import SequenceSlice, plan_attention, write_kv
-from kvmesh.kernels.linear import PackedLinear, half_linear_dtype, small_rows_copies, small_rows_only
+from kvmesh.kernels.linear import PackedLinear, half_linear_dtype, onednn_rows, small_rows_copies, small_rows_only
 from kvmesh.services.worker.checkpoint import DTYPES, ModelConfig, load_config, load_weights, rope_inv_freq
 
 
@@ -199,11 +199,15 @@ class CausalLM:
         """k_cache / v_cache: `[layers, slots, kv_heads, head_dim]`. Returns `[len(logit_rows), vocab]` float32."""
         cfg = self.cfg
         t = batch.token_ids.shape[0]
+        rows, block = self.step_rows(t)
+        token_ids, positions = batch.token_ids, batch.positions
+        if rows > t:  # rows of token 0 at position 0 after the step's own: computed, never read
+            token_ids, positions = F.pad(token_ids, (0, rows - t)), F.pad(positions, (0, rows - t))
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        cos, sin = self.cos[batch.positions], self.signed_sin[batch.positions]
+        cos, sin = self.cos[positions], self.signed_sin[positions]
         fused = self.fused
         heads = cfg.num_heads
-        x = self.embed[batch.token_ids]
+        x = self.embed[token_ids]
         attention = plan_attention(batch.seqs, self.device, self.attention_backend, batch.page_size,
                                    cfg.sliding_window)
         kv_rows = batch.kv_rows
@@ -212,28 +216,39 @@ class CausalLM:
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h)
             # q and k rotated together: they are adjacent in the fused projection
-            qk = qkv[:, : q_size + kv_size].view(t, heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = qkv[:, : q_size + kv_size].view(rows, heads + cfg.num_kv_heads, cfg.head_dim)
             if fused is not None:
                 fused.rotary_(qk, cos, sin)
             else:
                 qk = self._rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))
             q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size :].view(rows, cfg.num_kv_heads, cfg.head_dim)
             if kv_rows is None:
-                write_kv(k_cache[i], v_cache[i], kv_slots, k, v)
+                write_kv(k_cache[i], v_cache[i], kv_slots, k[:t], v[:t])
             else:
                 write_kv(k_cache[i], v_cache[i], kv_slots, k[kv_rows], v[kv_rows])
             attn = attention(q, k_cache[i], v_cache[i], self.scale)
-            x = layer.o(attn.reshape(t, q_size), residual=x)
-            if t <= self.mlp_rows:
+            if rows > t:
+                attn[t:].zero_()  # the padding rows, which no sequence's attention writes
+            x = layer.o(attn.reshape(rows, q_size), residual=x)
+            if rows <= block:
                 x = self._mlp(layer, x)
             else:  # in even blocks of rows (the MLP is row by row: each block's rows of x are its own)
-                blocks = -(-t // self.mlp_rows)
-                block = -(-t // blocks)
-                for s in range(0, t, block):
+                for s in range(0, rows, block):
                     x[s : s + block] = self._mlp(layer, x[s : s + block])
         x = self._rms_norm(x[batch.logit_rows], self.norm)
         return self.lm_head(x).float()
+
+    def step_rows(self, t: int) -> tuple[int, int]:
+        """(rows, MLP block) of a step of `t` tokens: the rows its products run, `t` padded where
+        oneDNN multiplies them to one of the few row counts it keeps kernels for (`onednn_rows`),
+        and the rows each MLP call takes (`mlp_rows` at most, in even blocks, each so padded)."""
+        blocks = -(-t // self.mlp_rows)
+        block = -(-t // blocks)
+        if self.layers and self.layers[0].qkv.onednn_takes(block):
+            block = onednn_rows(block)
+            return blocks * block, block
+        return t, block
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """x + down(SiLU(gate(norm(x))) * up(norm(x))): the layer's second half."""
