@@ -57,15 +57,16 @@ AMX_BF16_ROWS = 128
 
 
 def onednn_rows(rows: int) -> int:
-    """`rows` rounded up to a multiple of a sixteenth of its power of two (16 at least): the row
-    counts a forward pass gives oneDNN (`CausalLM.step_rows`). oneDNN compiles a kernel for each
-    row count it multiplies and keeps the last 1,024 it compiled; a served worker's steps carry every
-    count from a few decodes to the step budget (each prompt's length plus the decodes beside it),
-    so most prompt steps compiled their own: 10-14 ms a step for the four products of a layer in
-    bfloat16 on AMX's tile units, where the products themselves took 2-3 ms, and about 2 ms in
-    float32 (Intel Xeon with AMX, two threads, the benchmark model's shapes at 150-520 rows). Rounded
-    so, a step's products run at most 1/16 more rows, from a set of 16 counts per power of two."""
-    step = max(16, 1 << max(0, rows.bit_length() - 5))
+    """`rows` rounded up to a multiple of a sixteenth of the power of two below it: the row counts
+    a forward pass gives oneDNN (`CausalLM.step_rows`). oneDNN compiles a kernel for each row count
+    it multiplies and keeps the last 1,024 it compiled; a served worker's steps carry every count
+    from a few decodes to the step budget (each prompt's length plus the decodes beside it), so most
+    prompt steps compiled their own: 10-14 ms a step for the four products of a layer in bfloat16 on
+    AMX's tile units, where the products themselves took 2-3 ms, and about 2 ms in float32 (Intel
+    Xeon with AMX, two threads, the benchmark model's shapes at 150-520 rows). Rounded so, a step's
+    products run at most 1/16 more rows, from a set of 16 counts per power of two (every count
+    below 32)."""
+    step = 1 << max(0, rows.bit_length() - 5)
     return -(-rows // step) * step
 
 
