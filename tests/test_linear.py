@@ -372,11 +372,14 @@ def test_onednn_is_given_few_row_counts_each_at_most_a_sixteenth_above_the_rows(
     assert len(counts) == 31 + 7 * 16 + 1, sorted(counts)
 
 
-def test_a_layer_says_which_products_go_to_onednn():
-    weight, _, _ = make_case(64, 32, 1, torch.float32, with_bias=False)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_pads_rows_where_onednn_multiplies_them_in_half_precision(dtype):
+    weight, _, _ = make_case(64, 32, 1, dtype, with_bias=False)
     layer = PackedLinear(weight, small_rows=True)
-    if layer.packed is None:
-        assert not layer.onednn_takes(1) and not layer.onednn_takes(4096)
+    if layer.packed is None:  # the few-rows kernel or F.linear takes every product: nothing compiled by rows
+        assert not layer.pads_rows(1) and not layer.pads_rows(4096)
         return
-    assert layer.onednn_takes(layer.small_limit + 1) and not layer.onednn_takes(layer.small_limit)
-    assert not PackedLinear(weight, pack=False).onednn_takes(4096)  # F.linear compiles nothing by rows
+    half = dtype != torch.float32
+    assert layer.pads_rows(layer.small_limit + 1) == half and not layer.pads_rows(layer.small_limit)
+    assert not PackedLinear(weight, pack=False).pads_rows(4096)
+    assert not PackedLinear(weight, compute_dtype=torch.float32).pads_rows(4096)  # bfloat16 multiplied in float32

@@ -65,7 +65,7 @@ def onednn_rows(rows: int) -> int:
     AMX's tile units, where the products themselves took 2-3 ms, and about 2 ms in float32 (Intel
     Xeon with AMX, two threads, the benchmark model's shapes at 150-520 rows). Rounded so, a step's
     products run at most 1/16 more rows, from a set of 16 counts per power of two (every count
-    below 32)."""
+    below 32); half-precision products only (`PackedLinear.pads_rows`)."""
     step = 1 << max(0, rows.bit_length() - 5)
     return -(-rows // step) * step
 
@@ -218,6 +218,7 @@ class PackedLinear:
             weight = weight.to(self.compute_dtype)
             bias = None if bias is None else bias.to(self.compute_dtype)
         self.bias = bias
+        self.dtype = weight.dtype  # the products'
         self.small, self.small_limit = None, 0
         if small_rows and small_rows_dtype(weight.dtype, weight.device) and (weight.dtype == torch.float32
                                                                               or self.in_features % 2 == 0):
@@ -237,10 +238,14 @@ class PackedLinear:
             self.packed = _pack(weight)
             self.weight = weight if self.packed is None else None
 
-    def onednn_takes(self, rows: int) -> bool:
-        """Whether oneDNN's copy takes a product of `rows` rows (the few-rows kernel and `F.linear`,
-        the others, compile nothing by row count)."""
-        return self.packed is not None and rows > self.small_limit
+    def pads_rows(self, rows: int) -> bool:
+        """Whether a product of `rows` rows is best given `onednn_rows(rows)` rows: where oneDNN's
+        copy takes it in half precision. The few-rows kernel and `F.linear` compile nothing by row
+        count, and oneDNN's float32 kernels compiled in about 2 ms a step, less than the padding
+        rows cost where float32 products are bound by the multiply-adds (served float32 at 4/s,
+        the same arrivals, without and with padding alternated twice: 411 and 405 against 402 and
+        393 output tok/s; Intel Xeon with AMX, two threads)."""
+        return self.packed is not None and rows > self.small_limit and self.dtype != torch.float32
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`residual`, when given, is added to the product (in the same oneDNN call where packed)."""

@@ -241,11 +241,12 @@ class CausalLM:
 
     def step_rows(self, t: int) -> tuple[int, int]:
         """(rows, MLP block) of a step of `t` tokens: the rows its products run, `t` padded where
-        oneDNN multiplies them to one of the few row counts it keeps kernels for (`onednn_rows`),
-        and the rows each MLP call takes (`mlp_rows` at most, in even blocks, each so padded)."""
+        oneDNN multiplies them in half precision to one of the few row counts it keeps kernels for
+        (`onednn_rows`, `PackedLinear.pads_rows`), and the rows each MLP call takes (`mlp_rows` at
+        most, in even blocks, each so padded)."""
         blocks = -(-t // self.mlp_rows)
         block = -(-t // blocks)
-        if self.layers and self.layers[0].qkv.onednn_takes(block):
+        if self.layers and self.layers[0].qkv.pads_rows(block):
             block = onednn_rows(block)
             return blocks * block, block
         return t, block
