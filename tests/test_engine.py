@@ -307,9 +307,9 @@ def test_bfloat16_steps_padded_to_onednns_row_counts_give_the_unpadded_steps_tok
                 linear.small_limit = 0
         model.mlp_rows = mlp_rows
 
-        def step_rows(t, padded=model.step_rows, pad=pad):
+        def step_rows(t, model_rows=model.step_rows, pad=pad):
             # without padding, as before: the step's own rows, the MLP in even blocks and a shorter last one
-            rows, block = padded(t) if pad else (t, -(-t // -(-t // mlp_rows)))
+            rows, block = model_rows(t) if pad else (t, -(-t // -(-t // mlp_rows)))
             steps.append((pad, t, rows, block))
             return rows, block
 
