@@ -28,6 +28,18 @@ ADOPTION_DEADLINE_S = 15.0  # generous: the target (docs/reliability.md) is 5 s,
 SERVING_DEADLINE_S = 15.0
 
 
+async def until_under_way(streams: list[asyncio.Task], progress: list[int], timeout_s: float = 120.0) -> None:
+    """Waits until every stream is mid-generation (a token in `progress` each); a stream that failed
+    before its first token raises its error here, and none coming in `timeout_s` fails the test."""
+    deadline = time.monotonic() + timeout_s
+    while not all(progress):
+        for s in streams:
+            if s.done():
+                s.result()
+        assert time.monotonic() < deadline, f"not every stream under way in {timeout_s:g} s: {progress}"
+        await asyncio.sleep(0.05)
+
+
 def greedy_ids(ids, n, request_id=""):
     return gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=ids), request_id=request_id,
                                sampling=gen.SamplingParams(temperature=0.0),
@@ -212,8 +224,7 @@ def test_16_streams_and_new_requests_are_served_through_a_redis_restart(model_di
                     return tokens, logprobs, finish
 
                 streams = [asyncio.create_task(stream(i)) for i in range(16)]
-                while not all(progress):  # every stream is mid-generation
-                    await asyncio.sleep(0.05)
+                await until_under_way(streams, progress)
                 killed_at = time.monotonic()
                 mesh.redis.process.send_signal(signal.SIGKILL)
                 await asyncio.to_thread(mesh.redis.process.wait)
@@ -309,8 +320,7 @@ def test_16_streams_are_exact_through_a_kvcache_kill_and_its_restart(two_schedul
                 return tokens, logprobs, finish
 
             streams = [asyncio.create_task(stream(i)) for i in range(16)]
-            while not all(progress):  # every stream is mid-generation
-                await asyncio.sleep(0.05)
+            await until_under_way(streams, progress)
             await asyncio.to_thread(kill, kvcache)
             in_flight = sum(not s.done() for s in streams)
             kvcache.start()  # same command line, same port

@@ -318,7 +318,9 @@ def test_300_long_requests_on_one_small_worker_complete_or_are_refused_with_a_hi
             rate = BATCH * (PROMPT_TOKENS + OUTPUT_TOKENS) / (time.monotonic() - started)
             requests = max(REQUESTS, math.ceil(2 * MAX_QUEUE_WAIT_S * rate / (PROMPT_TOKENS + OUTPUT_TOKENS)))
             load = [asyncio.create_task(outcome(stub, long_request(i))) for i in range(requests)]
+            deadline = time.monotonic() + 120
             while sum(t.done() for t in load) < requests // 10:  # the overload has begun: some are answered
+                assert time.monotonic() < deadline, f"{sum(t.done() for t in load)} of {requests} answered in 120 s"
                 await asyncio.sleep(0.05)
             probes = await asyncio.gather(outcome(stub, probe), asyncio.to_thread(http_probe, small_mesh.child("router").http))
             return await asyncio.gather(*load), probes, await wait_idle(small_mesh.kvcache_addr, timeout=60)
