@@ -159,6 +159,25 @@ def test_prompts_given_together_with_one_shared_prefix_compute_it_once_and_match
     assert_all_pages_returned(engine)
 
 
+def test_sequences_decoding_over_one_cached_prefix_match_transformers(hf_checkpoint):
+    """A system prompt of 1,040 tokens cached, then five prompts that begin with it decoding side by
+    side: the decode kernel reads the shared pages once for all five (a whole 1,024-token chunk, and
+    the next page within each one's second chunk), with the benchmark model's heads (12 over 4 of
+    64: the page-at-a-time float32 path); every greedy token and logprob is transformers'."""
+    model_dir = hf_checkpoint("llama", hidden_size=768, num_attention_heads=12, num_key_value_heads=4,
+                              intermediate_size=256, max_position_embeddings=2048)
+    engine = LLMEngine(EngineConfig(model=model_dir, num_pages=160))
+    system = random_prompts(1, (1040, 1040), seed=21)[0]
+    engine.generate([system + [3]], GREEDY, StoppingParams(max_new_tokens=1, ignore_eos=True))
+    prompts = [system + own for own in random_prompts(5, (1, 60), seed=22)]
+    done = engine.generate(prompts, GREEDY, StoppingParams(max_new_tokens=12, ignore_eos=True))
+    assert all(d.num_cached_prompt_tokens == 1040 for d in done)
+    compared = sum(assert_matches_reference(d.token_ids, d.logprobs, hf_greedy(model_dir, p, 12))
+                   for d, p in zip(done, prompts))
+    assert compared >= 60, compared
+    assert_all_pages_returned(engine)
+
+
 def full_sequence_logprobs(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
     """Log-softmax at every position of one sequence, in a fresh KV pool (one prefill)."""
     runner = ModelRunner(model, num_pages=-(-len(token_ids) // 16), page_size=16)

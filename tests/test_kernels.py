@@ -187,6 +187,93 @@ def test_a_long_context_gives_the_same_bits_whatever_the_threads_and_the_batch(h
     assert torch.equal(alone, outs[0][:1])
 
 
+def shared_prefix_case(prefix: int, own: list[int], heads=12, kv_heads=4, dim=64, seed=0, dtype=torch.float32):
+    """Decoding sequences whose page tables begin with the same `prefix` tokens' pages (as after a
+    prefix-cache hit), each with `own` more tokens in pages of its own, pages scattered."""
+    g = torch.Generator().manual_seed(seed)
+    own_pages = [-(-n // PAGE) for n in own]
+    pages = torch.randperm(prefix // PAGE + sum(own_pages), generator=g)
+    k_cache = torch.randn(pages.numel() * PAGE, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(pages.numel() * PAGE, kv_heads, dim, generator=g).to(dtype)
+    shared, at, seqs = pages[: prefix // PAGE], prefix // PAGE, []
+    for i, (n, count) in enumerate(zip(own, own_pages)):
+        table = torch.cat([shared, pages[at : at + count]])
+        at += count
+        seqs.append(SequenceSlice(i, i + 1, (table[:, None] * PAGE + torch.arange(PAGE)).flatten()[: prefix + n], None))
+    return torch.randn(len(own), heads, dim, generator=g).to(dtype), k_cache, v_cache, seqs
+
+
+# (shared prefix, each sequence's own tokens): contexts within one chunk whose members go on past the
+# shared pages; a 1,024-token prefix that is a whole chunk of every member; a 2,048-token prefix (two
+# shared chunks) with one member cut into three.
+SHARED = [(512, [3, 100, 1]), (1024, [40, 1, 77, 16]), (2048, [5, 1030, 64])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 4, 64), (32, 8, 128), (16, 16, 32), (4, 2, 16)])
+@pytest.mark.parametrize("prefix,own", SHARED)
+def test_sequences_sharing_a_prefix_are_computed_together_with_the_bits_each_has_alone(prefix, own, heads, kv_heads,
+                                                                                       dim, dtype):
+    # On the page-at-a-time AVX-512 paths (float32 with eight query heads or more, bfloat16 with
+    # AVX512-BF16) chunks that begin with the same pages are one unit: the shared pages are read once
+    # for every member's heads, then each member goes on alone. Whatever shares its step, and on any
+    # number of threads, a sequence's output must have the bits it has alone, and match the reference.
+    q, kc, vc, seqs = shared_prefix_case(prefix, own, heads, kv_heads, dim, dtype=dtype)
+    plan = AttentionPlan(seqs)
+    if native.decode_attention() is None:
+        pytest.skip("the decode kernel is not built here")
+    units = native.decode_shared_units()(plan.indptr, plan.slot_ids)
+    assert units[0, 1].item() == len(own) and units[0, 2].item() == min(prefix, 1024)
+    threads = torch.get_num_threads()
+    try:
+        together = []
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            together.append(AttentionPlan(seqs)(q, kc, vc, dim**-0.5))
+        alone = torch.cat([AttentionPlan([SequenceSlice(0, 1, s.slots, None)])(q[i : i + 1], kc, vc, dim**-0.5)
+                           for i, s in enumerate(seqs)])
+    finally:
+        torch.set_num_threads(threads)
+    for out in together:
+        assert torch.equal(out, alone)
+    ref = paged_attention_reference(q.float(), kc.float(), vc.float(), seqs, scale=dim**-0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(together[0], ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert (together[0].float() - ref.to(dtype).float()).abs().max() <= (ref.abs().max() * 2 ** -7).item()
+
+
+def test_the_decode_kernel_shares_whole_pages_that_every_member_of_a_unit_agrees_on():
+    if native.decode_shared_units() is None:
+        pytest.skip("the decode kernel is not built here")
+    # Sequence 0 leads; 1 agrees on 300 slots (18 whole pages: 288), 2 on all 1,024 of chunk 0 and
+    # more, 3 on 40 slots (under 64: alone), 4 begins elsewhere. Sequences 0 and 2's second chunks
+    # begin with the same slot too and agree on 48 slots of it: fewer than 64, so apart.
+    base = torch.arange(0, 4096)
+    tables = [base[:1100], torch.cat([base[:300], base[3000:3100]]), base[:1072],
+              torch.cat([base[:40], base[2000:2100]]), base[1200:1300]]
+    indptr = torch.tensor([0] + [t.numel() for t in tables]).cumsum(0)
+    units = native.decode_shared_units()(indptr, torch.cat(tables).contiguous()).tolist()
+    # chunks in order: 0a, 0b, 1, 2a, 2b, 3, 4
+    assert units == [[0, 3, 288], [1, 1, 0], [0, 3, 288], [0, 3, 288], [2, 1, 0], [3, 1, 0], [4, 1, 0]]
+
+
+def test_the_decode_kernel_halves_its_largest_shared_unit_until_its_threads_have_work():
+    if native.decode_shared_units() is None:
+        pytest.skip("the decode kernel is not built here")
+    # Six sequences over one 320-token prefix: one unit; halves where a unit may have four members;
+    # with four units wanted (many threads, few KV heads), halves of halves, each pair still sharing
+    # the prefix and single ones alone.
+    tables = [torch.cat([torch.arange(320), torch.arange(1000 + 100 * i, 1010 + 100 * i)]) for i in range(6)]
+    indptr = torch.tensor([0] + [t.numel() for t in tables]).cumsum(0)
+    slots = torch.cat(tables).contiguous()
+    units = native.decode_shared_units()
+    assert units(indptr, slots).tolist() == [[0, 6, 320]] * 6
+    assert units(indptr, slots, 4).tolist() == [[0, 3, 320]] * 3 + [[1, 3, 320]] * 3  # at most four a unit
+    assert units(indptr, slots, 8, 4).tolist() == [
+        [0, 1, 0], [1, 2, 320], [1, 2, 320], [2, 1, 0], [3, 2, 320], [3, 2, 320]]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim,heads,kv_heads", [(32, 4, 2), (64, 8, 2), (128, 12, 4), (40, 4, 4), (16, 4, 2), (20, 4, 2),
                                                (64, 20, 4), (256, 4, 2)])

@@ -105,7 +105,8 @@ class AttentionPlan:
     """How one step's sequences are attended, worked out once per step and used by every layer.
 
     Decoding sequences (one query each) go to kvmesh's C++ decode kernel in a single call per
-    layer, reading the cache in place through their slot lists; prefill chunks to its prefill
+    layer, reading the cache in place through their slot lists (pages that several of them share,
+    a cached prefix's, once for all of them: `native.decode_shared_units`); prefill chunks to its prefill
     kernel, likewise in one call (the sliding window, if any, applied there from positions). What
     the kernels cannot take (no C++ compiler, tensors not on the CPU, a head size the prefill
     kernel has no tiles for, bfloat16 chunks on a CPU with AMX: `prefill_kernel_takes`) goes to

@@ -124,6 +124,13 @@ def decode_attention():
 
 
 @cache
+def decode_shared_units():
+    """The operator that says how the decode kernel groups a step's chunks by shared prefix pages
+    (`decode_shared_units(indptr, slot_ids)`); None where the kernels cannot be built."""
+    return torch.ops.kvmesh.decode_shared_units if _library() else None
+
+
+@cache
 def prefill_attention():
     """The prefill (chunk) attention operator, built on first call; None where it cannot be built."""
     return torch.ops.kvmesh.prefill_attention_ if _library() else None

@@ -39,6 +39,10 @@
 // streams whole rows on every thread where each thread read one KV head's piece of every row
 // (AMD EPYC Zen 4, two threads, float32, one sequence of 32,768 tokens with the benchmark model's
 // heads: 10.8 -> 4.4-4.7 ms a call; 8,192 tokens with 32 heads over 8 of 128: 9.0 -> 4.5-4.8).
+// Sequences that share a prefix's pages (a cached system prompt) are computed together over those
+// pages on the page-at-a-time AVX-512 paths (`shared_units`): each shared K and V row is read once
+// for the query heads of every sequence that sees it, where each sequence read it again (from
+// memory, once the step's other work had evicted it), with the bits each sequence has alone.
 //
 // Registered as torch.ops.kvmesh.decode_attention_ (writes into `out`).
 
@@ -59,6 +63,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -71,6 +76,18 @@ constexpr int64_t kParallelMinElements = 1 << 17;
 // block), computed as separate items and merged (`run`). Contexts up to it are computed whole, as
 // before the cut; 512 was no faster on two threads, and would cut the served workload's contexts.
 constexpr int64_t kChunkTokens = 1024;
+
+// Chunks of sequences that share a prefix's pages are computed together over this many slots or
+// more (`run`'s units), cut at a multiple of kSharedRows: the page-at-a-time paths' page, so a
+// member's own slots start on the page boundary they would alone.
+constexpr int64_t kMinSharedTokens = 64;
+// At most this many sequences in a unit: their query heads' queries and accumulators (48 KiB for
+// eight of the benchmark model's twelve heads of 64 in float32) stay in L2 while the shared pages
+// are read for them. Twelve layers' calls over sequences that share a 1,024-token prefix, with a
+// layer's weights read between calls (AMD EPYC Zen 4, one thread, float32, eight sequences; 32):
+// 4 a unit 10.5-10.7 ms (35-36), 8 a unit 8.9-9.2 (33-35), each sequence alone 11.1-13.2 (38).
+constexpr int64_t kMaxMembers = 8;
+constexpr int64_t kSharedRows = 16;
 
 // A page of a sequence's slots (up to `size` from `t0`) for the paths that go a page at a time,
 // and the slots whose rows are fetched while it is computed: the next page's, or after the last
@@ -89,11 +106,14 @@ inline Page page_at(const int64_t* slots, int64_t n, int64_t t0, int64_t size, c
           last ? (next_slots ? std::min(size, next_n) : 0) : std::min(size, n - t0 - size)};
 }
 
-// Each of nh query heads' K offset in a row (`group` heads per KV head), and the online softmax's
-// running max and sum before the first page, for `ld` lanes.
-inline void start_heads(int64_t nh, int64_t ld, int64_t group, int64_t k_s1, int64_t* koff, float* m, float* sums) {
-  for (int64_t h = 0; h < nh; ++h) koff[h] = (h / group) * k_s1;
-  for (int64_t h = 0; h < ld; ++h) m[h] = -std::numeric_limits<float>::infinity(), sums[h] = 0.f;
+// Each of nh query heads' K offset in a row (`group` heads per KV head, `heads` KV heads a member:
+// the heads of several sequences that share the rows are stacked, member after member), and,
+// where `fresh`, the online softmax's running max and sum before the first page, for `ld` lanes.
+inline void start_heads(int64_t nh, int64_t ld, int64_t group, int64_t heads, int64_t k_s1, int64_t* koff, float* m,
+                        float* sums, bool fresh = true) {
+  for (int64_t h = 0; h < nh; ++h) koff[h] = ((h / group) % heads) * k_s1;
+  if (fresh)
+    for (int64_t h = 0; h < ld; ++h) m[h] = -std::numeric_limits<float>::infinity(), sums[h] = 0.f;
 }
 
 // How many vectors of a row the weighted sum of V keeps in registers at once (a divisor of the row's
@@ -403,7 +423,10 @@ void split_to_natural(float* acc, int64_t vecs32) {
 // `q_s1` apart); `koff` (nh), `acc` ([nh][D]), `scores` ([kRowsBf16][ld]), `wpair`
 // ([kRowsBf16 / 2][ld]), `alpha`, `m` and `sums` (ld) are scratch, ld being nh rounded up to 16;
 // `vpairs` has room for a page's interleaved V rows of one KV head. On return acc[h] / sums[h] is
-// query head h's output, in value order.
+// query head h's output, in value order. With `members` > 1 the query heads of that many sequences
+// that share these slots are stacked in q (member after member, `heads` KV heads each); without
+// `fresh` the running max, sum and accumulators go on from what acc, m and sums hold; without
+// `finish` acc stays in the pair order (natural_order puts it back), so that a later call can go on.
 constexpr int64_t kRowsBf16 = 16;
 
 // One pair of tokens' V values (interleave_v's `pv`, kN vectors) at the pair's weights (two
@@ -421,13 +444,15 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
     const at::BFloat16* q, int64_t q_s1, const at::BFloat16* k, const at::BFloat16* v, int64_t k_s1, int64_t v_s1,
     const int64_t* slots, int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads, int64_t group, float scale,
     float* acc, float* scores, uint32_t* wpair, float* alpha, float* m, float* sums, int64_t* koff,
-    __m512i* vpairs, const int64_t* next_slots, int64_t next_n) {
+    __m512i* vpairs, const int64_t* next_slots, int64_t next_n, int64_t members = 1, bool fresh = true,
+    bool finish = true) {
   constexpr int64_t D = kVec * 16, kPairs32 = kVec / 2;  // a head row: kPairs32 vectors of 32 values
   constexpr int64_t B = kRowsBf16;
-  const int64_t nh = heads * group, ld = (nh + 15) / 16 * 16;
+  const int64_t nh = members * heads * group, ld = (nh + 15) / 16 * 16;
   const int64_t lines = (heads * D * static_cast<int64_t>(sizeof(at::BFloat16)) + 63) / 64;  // of a K (or V) row
-  start_heads(nh, ld, group, k_s1, koff, m, sums);
-  for (int64_t i = 0; i < nh * D; ++i) acc[i] = 0.f;
+  start_heads(nh, ld, group, heads, k_s1, koff, m, sums, fresh);
+  if (fresh)
+    for (int64_t i = 0; i < nh * D; ++i) acc[i] = 0.f;
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += B) {
     const Page page = page_at(slots, n, t0, B, next_slots, next_n);
@@ -487,8 +512,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
     const int64_t pairs = (b + 1) / 2;
     for (int64_t kvh = 0; kvh < heads; ++kvh) {
       interleave_v(v + kvh * v_s1, block, b, v_s0, kPairs32, vpairs);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kvh * group + g;
+      for (int64_t g = 0; g < members * group; ++g) {  // the KV head's query heads in every member
+        const int64_t h = ((g / group) * heads + kvh) * group + g % group;
         float* ah = acc + h * D;
         __m512 av[2 * kPairs32], bv[2 * kPairs32];  // two sets, for alternate pairs of tokens
         const __m512 al = _mm512_set1_ps(alpha[h]);
@@ -508,7 +533,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
       }
     }
   }
-  for (int64_t h = 0; h < nh; ++h) natural_order(acc + h * D, kPairs32);
+  if (finish)
+    for (int64_t h = 0; h < nh; ++h) natural_order(acc + h * D, kPairs32);
 }
 
 // float32, a page of slots at a time (kRowsF32), as heads_avx2 goes in 8 lanes:
@@ -527,8 +553,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
 // was split among the threads. `q` points at the item's first query head (heads `q_s1` apart,
 // read as stored); `koff` (nh), `acc` ([nh][D]), `scores` ([kRowsF32][ld]), `alpha`, `m` and
 // `sums` (ld) are scratch, ld being nh rounded up to 16. On return acc[h] / sums[h] is query head
-// h's output.
+// h's output. `members` and `fresh` as in heads_bf16_pages: several sequences' heads over slots they
+// share, and going on from a state.
 constexpr int64_t kRowsF32 = 16;
+static_assert(kRowsF32 == kSharedRows && kRowsBf16 == kSharedRows, "shared units cut at the pages' boundary");
 // Models with fewer query heads keep heads_avx512's per-head blocks in float32: with the heads in
 // the lanes, a page's softmax costs a vector exp per token whatever the heads, and four heads of
 // sixteen lanes (the cheap model's, head size 16) ran about 1.25x slower a call that way. The
@@ -540,12 +568,13 @@ template <int64_t kVec>
 void heads_f32_pages(const float* q, int64_t q_s1, const float* k, const float* v, int64_t k_s1, int64_t v_s1,
                      const int64_t* slots, int64_t n, int64_t k_s0, int64_t v_s0, int64_t heads, int64_t group,
                      float scale, float* acc, float* scores, float* alpha, float* m, float* sums, int64_t* koff,
-                     const int64_t* next_slots, int64_t next_n) {
+                     const int64_t* next_slots, int64_t next_n, int64_t members = 1, bool fresh = true) {
   constexpr int64_t D = kVec * 16, B = kRowsF32;
-  const int64_t nh = heads * group, ld = (nh + 15) / 16 * 16;
+  const int64_t nh = members * heads * group, ld = (nh + 15) / 16 * 16;
   const int64_t lines = (heads * D * static_cast<int64_t>(sizeof(float)) + 63) / 64;  // of a K (or V) row
-  start_heads(nh, ld, group, k_s1, koff, m, sums);
-  for (int64_t i = 0; i < nh * D; ++i) acc[i] = 0.f;
+  start_heads(nh, ld, group, heads, k_s1, koff, m, sums, fresh);
+  if (fresh)
+    for (int64_t i = 0; i < nh * D; ++i) acc[i] = 0.f;
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += B) {
     const Page page = page_at(slots, n, t0, B, next_slots, next_n);
@@ -577,7 +606,7 @@ void heads_f32_pages(const float* q, int64_t q_s1, const float* k, const float* 
     }
     for (int64_t h0 = 0; h0 < ld; h0 += 16) page_weights<Lanes16>(scores, ld, b, h0, m, sums, alpha + h0);
     for (int64_t h = 0; h < nh; ++h)
-      add_values<Lanes16, kVec>(acc + h * D, alpha[h], v + (h / group) * v_s1, block, b, v_s0, scores + h, ld);
+      add_values<Lanes16, kVec>(acc + h * D, alpha[h], v + ((h / group) % heads) * v_s1, block, b, v_s0, scores + h, ld);
   }
 }
 
@@ -885,7 +914,7 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
   constexpr int64_t B = kRowsAvx2;
   const int64_t nh = heads * group, ld = (nh + 7) / 8 * 8;  // scores: [B][ld]
   const int64_t lines = (heads * D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;  // of a K (or V) row
-  start_heads(nh, ld, group, k_s1, koff, m, sums);
+  start_heads(nh, ld, group, heads, k_s1, koff, m, sums);
   for (int64_t t = 0; t < B; ++t)
     for (int64_t h = nh; h < ld; ++h) scores[t * ld + h] = 0.f;  // lanes past the heads stay finite
   for (int64_t i = 0; i < nh * D; ++i) acc[i] = 0.f;
@@ -914,6 +943,89 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
 }
 #endif
 
+// A chunk of a sequence's context: its sequence, its first slot's index in slot_ids, how many.
+struct Span {
+  int64_t seq, first, n;
+};
+
+// The chunks of every sequence (indptr `ptr`), in order: kChunkTokens each, the last shorter;
+// sequence s's are [chunk_ptr[s], chunk_ptr[s + 1]).
+std::vector<Span> cut_chunks(const int64_t* ptr, int64_t num_seqs, std::vector<int64_t>& chunk_ptr) {
+  chunk_ptr.assign(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    chunk_ptr[s + 1] = chunk_ptr[s] + (ptr[s + 1] - ptr[s] + kChunkTokens - 1) / kChunkTokens;
+  std::vector<Span> spans(chunk_ptr[num_seqs]);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t c = chunk_ptr[s]; c < chunk_ptr[s + 1]; ++c) {
+      const int64_t t0 = (c - chunk_ptr[s]) * kChunkTokens;
+      spans[c] = Span{s, ptr[s] + t0, std::min(kChunkTokens, ptr[s + 1] - ptr[s] - t0)};
+    }
+  return spans;
+}
+
+// Chunks computed together: unit_chunks[first, first + members), the leader first, whose first
+// `shared` slots are the same for every member (0 for a chunk alone).
+struct Unit {
+  int64_t first, members, shared;
+};
+
+// The units a call's chunks are computed in. Sequences that share a prefix's pages (a system
+// prompt, a few-shot preamble) have chunks that begin with the same slots; where `can_share` (the
+// page-at-a-time AVX-512 paths), a chunk joins the first chunk that begins with its first slot if
+// the two agree on kMinSharedTokens slots or more, and the unit's shared slots are what all its
+// members agree on with the leader, in whole pages (kSharedRows). Every other chunk is a unit of its
+// own. Then units of more than `most` members, and
+// while there are fewer than `min_units` the largest unit, are halved (halves share what the unit
+// shared): a unit is one thread's work (split at most by KV head), so one unit of many sequences
+// would leave the other threads idle.
+void shared_units(const std::vector<Span>& spans, const int64_t* slots, bool can_share, int64_t most,
+                  int64_t min_units, std::vector<int64_t>& unit_chunks, std::vector<Unit>& units) {
+  const int64_t chunks = static_cast<int64_t>(spans.size());
+  unit_chunks.clear(), units.clear();
+  std::vector<std::vector<int64_t>> joined(can_share ? chunks : 0);
+  std::vector<int64_t> agree(chunks, 0);
+  std::vector<bool> member(chunks, false);
+  if (can_share && chunks > 1) {
+    std::unordered_map<int64_t, int64_t> by_first;  // first slot -> leader chunk
+    for (int64_t c = 0; c < chunks; ++c) {
+      const Span sp = spans[c];
+      auto [it, fresh] = by_first.try_emplace(slots[sp.first], c);
+      if (fresh) continue;
+      const Span lead = spans[it->second];
+      const int64_t most = std::min(sp.n, lead.n);
+      int64_t same = 0;
+      while (same < most && slots[sp.first + same] == slots[lead.first + same]) ++same;
+      same = same / kSharedRows * kSharedRows;  // whole pages: a member's own slots keep their page boundaries
+      if (same < kMinSharedTokens) continue;
+      auto& j = joined[it->second];
+      agree[it->second] = j.empty() ? same : std::min(agree[it->second], same);
+      j.push_back(c), member[c] = true;
+    }
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (member[c]) continue;
+    const int64_t others = can_share ? static_cast<int64_t>(joined[c].size()) : 0;
+    units.push_back({static_cast<int64_t>(unit_chunks.size()), 1 + others, agree[c]});
+    unit_chunks.push_back(c);
+    if (others) unit_chunks.insert(unit_chunks.end(), joined[c].begin(), joined[c].end());
+  }
+  while (true) {
+    const auto largest = std::max_element(units.begin(), units.end(),
+                                          [](const Unit& a, const Unit& b) { return a.members < b.members; });
+    if (largest->members < 2 || (largest->members <= most && static_cast<int64_t>(units.size()) >= min_units)) break;
+    const int64_t half = largest->members / 2;
+    const Unit rest{largest->first + half, largest->members - half, largest->members - half > 1 ? largest->shared : 0};
+    largest->members = half;
+    if (half < 2) largest->shared = 0;
+    units.insert(largest + 1, rest);
+  }
+  // Each unit where its first member's chunk is: the halves of a large unit spread among the other
+  // chunks, so that the threads' first claims (runs of units in this order) each take some of them.
+  std::stable_sort(units.begin(), units.end(), [&](const Unit& a, const Unit& b) {
+    return unit_chunks[a.first] < unit_chunks[b.first];
+  });
+}
+
 template <typename scalar_t, int64_t kHeadDim>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_rows,
          const at::Tensor& indptr, const at::Tensor& slot_ids, double scale, at::Tensor& out) {
@@ -937,9 +1049,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // partial softmaxes are merged in chunk order after them. One long sequence then streams whole
   // rows on every thread instead of one KV head's piece of each row per thread. The cut depends on
   // the sequence's length alone, so its bits do not depend on the threads or on the batch.
-  std::vector<int64_t> chunk_ptr(num_seqs + 1, 0);  // sequence s's chunks: [chunk_ptr[s], chunk_ptr[s + 1])
-  for (int64_t s = 0; s < num_seqs; ++s)
-    chunk_ptr[s + 1] = chunk_ptr[s] + (ptr[s + 1] - ptr[s] + kChunkTokens - 1) / kChunkTokens;
+  std::vector<int64_t> chunk_ptr;  // sequence s's chunks: [chunk_ptr[s], chunk_ptr[s + 1])
+  const std::vector<Span> spans = cut_chunks(ptr, num_seqs, chunk_ptr);
   const int64_t chunks = chunk_ptr[num_seqs];
   // Each chunk's sequence, and where a chunk of a cut sequence keeps its partial result (-1: the
   // sequence's only chunk, written straight to the output).
@@ -958,25 +1069,39 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   float* part_max = part_acc + parts * heads * head_dim;
   float* part_sum = part_max + parts * heads;
 
+  // The units the chunks are computed in (`shared_units`).
+  auto span = [&](int64_t c) { return spans[c]; };
+  bool can_share = false;
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+    if constexpr (std::is_same_v<scalar_t, float>) can_share = heads >= kPagesMinHeads;
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHeadDim % 32 == 0 && kHeadDim <= 256)
+      can_share = cpu_has_bf16_dot();
+  }
+#endif
+  std::vector<int64_t> unit_chunks;
+  std::vector<Unit> units;
+  // Units of at most kMaxMembers, and with several threads no more than an even share of the
+  // chunks each (two claims a thread) and enough units for every thread where they split by KV head.
+  const int64_t threads = at::get_num_threads();
+  const int64_t most = threads > 1 ? std::min(kMaxMembers, std::max<int64_t>(2, chunks / (2 * threads))) : kMaxMembers;
+  shared_units(spans, slots, can_share, most, threads > 1 ? (2 * threads + kv_heads - 1) / kv_heads : 1, unit_chunks,
+               units);
+  const int64_t num_units = static_cast<int64_t>(units.size());
+  int64_t most_members = 1;
+  for (const Unit& u : units) most_members = std::max(most_members, u.members);
+
   // Like torch's own kernels, stay on the calling thread when the work is small: a parallel region
   // costs more than a few thousand dot products, and idle pool threads spin on shared cores.
-  // A work item is one chunk with all its KV heads (its rows stream in order) when there are
-  // enough chunks to share among the threads, or only one thread, else one (chunk, KV head).
+  // A work item is one unit with all its KV heads (its rows stream in order) when there are
+  // enough units to share among the threads, or only one thread, else one (unit, KV head).
   // Every path computes a head the same whatever heads share its item.
   const int64_t key_elements = slot_ids.size(0) * kv_heads * head_dim;  // K (and V) values read
-  const bool whole_rows = at::get_num_threads() == 1 || chunks >= 2 * at::get_num_threads();
+  const bool whole_rows = threads == 1 || num_units >= 2 * threads;
   const int64_t heads_per_item = whole_rows ? kv_heads : 1;
-  const int64_t items_per_chunk = kv_heads / heads_per_item;
-  const int64_t work_items = chunks * items_per_chunk;
+  const int64_t items_per_unit = kv_heads / heads_per_item;
+  const int64_t work_items = num_units * items_per_unit;
   const int64_t grain = key_elements < kParallelMinElements ? std::max<int64_t>(work_items, 1) : 1;
-  // Chunk c's slots: its sequence, the first slot's index in slot_ids, and how many.
-  struct Span {
-    int64_t seq, first, n;
-  };
-  auto span = [&](int64_t c) {
-    const int64_t s = chunk_seq[c], t0 = (c - chunk_ptr[s]) * kChunkTokens;
-    return Span{s, ptr[s] + t0, std::min(kChunkTokens, ptr[s + 1] - ptr[s] - t0)};
-  };
   // Sequences differ in length, and a thread may be taken off its core: items go out in claims.
   struct Scratch {
     std::vector<float> qf, acc, sums, maxes, scores;
@@ -984,13 +1109,15 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     std::vector<int64_t> koff;      // each query head's K offset in a row (AVX2; AVX-512 float32, bfloat16)
     std::vector<uint32_t> wpair;    // pairs of tokens' weights in bfloat16 (AVX-512 bfloat16)
     std::vector<float> alpha;       // each head's rescale at a page (AVX-512 float32, bfloat16)
+    std::vector<scalar_t> stacked;  // a shared unit's members' queries, member after member
+    std::vector<float> own_acc, own_sums, own_maxes;  // a member's state over the rest of its chunk
   };
   auto scratch = [&] {
     Scratch st;
-    st.qf.resize(kv_heads * group * head_dim), st.acc.resize(kv_heads * group * head_dim);
-    // room for the heads rounded up to 16 (the softmax of the AVX2 path and of the AVX-512 float32
-    // and bfloat16 paths takes 8 or 16 heads at a time)
-    const int64_t ld = (kv_heads * group + 15) / 16 * 16;
+    st.qf.resize(kv_heads * group * head_dim), st.acc.resize(most_members * kv_heads * group * head_dim);
+    // room for the heads (of every member of the largest unit) rounded up to 16 (the softmax of the
+    // AVX2 path and of the AVX-512 float32 and bfloat16 paths takes 8 or 16 heads at a time)
+    const int64_t ld = (most_members * kv_heads * group + 15) / 16 * 16;
     st.sums.resize(ld), st.maxes.resize(ld);
 #if defined(__AVX512F__)
     if constexpr (!std::is_same_v<scalar_t, float>) st.kbuf.resize(kBlock * head_dim), st.vbuf.resize(kBlock * head_dim);
@@ -1002,27 +1129,94 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #endif
     return st;
   };
+  // A shared unit's KV heads [kv0, kv0 + heads_per_item): its shared slots for every member's query
+  // heads at once, then each member's own rest (write_out as in the item loop below).
+  auto shared_unit = [&](Scratch& st, const Unit& unit, int64_t kv0, auto& write_out) {
+#if defined(__AVX512F__)
+    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+      const int64_t h0 = kv0 * group, nh = heads_per_item * group, D = head_dim;
+      const int64_t members = unit.members, ld = (nh + 15) / 16 * 16;
+      const int64_t* chunk = unit_chunks.data() + unit.first;
+      st.stacked.resize(members * nh * D);
+      for (int64_t i = 0; i < members; ++i) {
+        const scalar_t* src = qp + rows[chunk_seq[chunk[i]]] * q_s0;
+        for (int64_t h = 0; h < nh; ++h)
+          std::copy(src + (h0 + h) * q_s1, src + (h0 + h) * q_s1 + D, st.stacked.data() + (i * nh + h) * D);
+      }
+      st.own_acc.resize(nh * D), st.own_sums.resize(ld), st.own_maxes.resize(ld);
+      __m512i* vpairs =
+          reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(st.vbuf.data()) + 63) & ~uintptr_t{63});
+      // The page-at-a-time path over n slots for the query heads of m_count members (stacked in q,
+      // q_s1_ apart), from a fresh state or from the one in a, mx and sm.
+      auto pages = [&](const scalar_t* q, int64_t q_s1_, const int64_t* sl, int64_t n, int64_t m_count, bool fresh,
+                       float* a, float* mx, float* sm) {
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          st.scores.resize(kRowsBf16 * st.alpha.size());
+          heads_bf16_pages<kHeadDim / 16>(q, q_s1_, kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, sl, n, k_s0, v_s0,
+                                          heads_per_item, group, fscale, a, st.scores.data(), st.wpair.data(),
+                                          st.alpha.data(), mx, sm, st.koff.data(), vpairs, nullptr, 0, m_count,
+                                          fresh, /*finish=*/false);
+        } else if constexpr (std::is_same_v<scalar_t, float>) {
+          st.scores.resize(kRowsF32 * st.alpha.size());
+          heads_f32_pages<kHeadDim / 16>(q, q_s1_, kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1, v_s1, sl, n, k_s0, v_s0,
+                                         heads_per_item, group, fscale, a, st.scores.data(), st.alpha.data(), mx, sm,
+                                         st.koff.data(), nullptr, 0, m_count, fresh);
+        }
+      };
+      pages(st.stacked.data(), D, slots + span(chunk[0]).first, unit.shared, members, true, st.acc.data(),
+            st.maxes.data(), st.sums.data());
+      for (int64_t i = 0; i < members; ++i) {
+        const Span sp = span(chunk[i]);
+        float *a = st.acc.data() + i * nh * D, *mx = st.maxes.data() + i * nh, *sm = st.sums.data() + i * nh;
+        if (sp.n > unit.shared) {  // the member's own slots, from where the shared ones left its heads
+          std::copy(a, a + nh * D, st.own_acc.data());
+          std::copy(mx, mx + nh, st.own_maxes.data()), std::copy(sm, sm + nh, st.own_sums.data());
+          std::fill(st.own_maxes.begin() + nh, st.own_maxes.end(), -std::numeric_limits<float>::infinity());
+          std::fill(st.own_sums.begin() + nh, st.own_sums.end(), 0.f);
+          a = st.own_acc.data(), mx = st.own_maxes.data(), sm = st.own_sums.data();
+          pages(qp + rows[sp.seq] * q_s0 + h0 * q_s1, q_s1, slots + sp.first + unit.shared, sp.n - unit.shared, 1,
+                false, a, mx, sm);
+        }
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
+          for (int64_t h = 0; h < nh; ++h) natural_order(a + h * D, kHeadDim / 32);
+        write_out(h0, nh, chunk[i], a, mx, sm);
+      }
+    }
+#endif
+  };
   kvmesh::parallel_claims(work_items, grain, scratch, [&](Scratch& st, int64_t begin, int64_t end) {
     auto &qf = st.qf, &acc = st.acc, &sums = st.sums, &maxes = st.maxes, &scores = st.scores;
-    // query heads [h0, h0 + nh) of chunk c, acc[h] / sums[h] with running maxes[h]: into the output
-    // where the chunk is its sequence's only one, else into the chunk's partials
-    auto write_out = [&](int64_t h0, int64_t nh, int64_t c) {
+    // query heads [h0, h0 + nh) of chunk c, a[h] / s[h] with running mx[h] (by default the
+    // scratch's): into the output where the chunk is its sequence's only one, else into the chunk's
+    // partials
+    auto write_out = [&](int64_t h0, int64_t nh, int64_t c, const float* a = nullptr, const float* mx = nullptr,
+                         const float* s = nullptr) {
+      if (!a) a = acc.data(), mx = maxes.data(), s = sums.data();
       if (part[c] >= 0) {
         const int64_t at = part[c] * heads + h0;
-        std::copy(acc.begin(), acc.begin() + nh * head_dim, part_acc + at * head_dim);
-        std::copy(maxes.begin(), maxes.begin() + nh, part_max + at);
-        std::copy(sums.begin(), sums.begin() + nh, part_sum + at);
+        std::copy(a, a + nh * head_dim, part_acc + at * head_dim);
+        std::copy(mx, mx + nh, part_max + at);
+        std::copy(s, s + nh, part_sum + at);
         return;
       }
       const int64_t row = rows[chunk_seq[c]];
       for (int64_t h = 0; h < nh; ++h) {
         scalar_t* dst = op + row * o_s0 + (h0 + h) * o_s1;
-        const float inv = 1.f / sums[h];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
+        const float inv = 1.f / s[h];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(a[h * head_dim + d] * inv);
       }
     };
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t c = work / items_per_chunk, kv0 = (work % items_per_chunk) * heads_per_item;
+      const Unit& unit = units[work / items_per_unit];
+      const int64_t c = unit_chunks[unit.first], kv0 = (work % items_per_unit) * heads_per_item;
+#if defined(__AVX512F__)
+      if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+        if (unit.members > 1) {
+          shared_unit(st, unit, kv0, write_out);
+          continue;
+        }
+      }
+#endif
       const Span here = span(c);
       const int64_t row = rows[here.seq], first = here.first, n = here.n;
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -1031,7 +1225,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         // The next chunk this thread takes (the same sequence's next, or the next sequence's first)
         // reads the same heads' pointers where items are whole rows: its first rows are fetched ahead.
         const bool next = whole_rows && work + 1 < end;
-        const Span after = next ? span(c + 1) : Span{0, 0, 0};
+        const Span after = next ? span(unit_chunks[units[(work + 1) / items_per_unit].first]) : Span{0, 0, 0};
         const int64_t* next_slots = next ? slots + after.first : nullptr;
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHeadDim % 32 == 0 && kHeadDim <= 256) {
@@ -1186,11 +1380,43 @@ void decode_attention_(const at::Tensor& q, const at::Tensor& k_cache, const at:
   });
 }
 
+// The units decode_attention_ computes a call's chunks in where sharing applies (float32 models of
+// eight query heads or more, bfloat16 with AVX512-BF16; head sizes that are multiples of 16 or 32 on
+// AVX-512): for each chunk, in order of sequence then position, its unit's index, member count and
+// shared slots, with units of more than `most` members halved, and the largest halved until there
+// are `min_units` (the kernel asks for kMaxMembers, 8, and less with several threads, so that they
+// all have work). For tests and benchmarks: what the kernel finds to share in a step.
+at::Tensor decode_shared_units(const at::Tensor& indptr, const at::Tensor& slot_ids, int64_t most, int64_t min_units) {
+  TORCH_CHECK(indptr.scalar_type() == at::kLong && slot_ids.scalar_type() == at::kLong && indptr.is_contiguous() &&
+                  slot_ids.is_contiguous() && indptr.dim() == 1 && indptr.size(0) >= 1,
+              "indptr and slot_ids must be contiguous int64");
+  const int64_t* ptr = indptr.data_ptr<int64_t>();
+  const int64_t num_seqs = indptr.size(0) - 1;
+  TORCH_CHECK(ptr[0] == 0 && ptr[num_seqs] == slot_ids.size(0), "indptr must span slot_ids");
+  for (int64_t s = 0; s < num_seqs; ++s) TORCH_CHECK(ptr[s + 1] > ptr[s], "every sequence must see at least one slot");
+  std::vector<int64_t> chunk_ptr, unit_chunks;
+  std::vector<Unit> units;
+  const std::vector<Span> spans = cut_chunks(ptr, num_seqs, chunk_ptr);
+  shared_units(spans, slot_ids.data_ptr<int64_t>(), true, most, min_units, unit_chunks, units);
+  at::Tensor out = at::empty({static_cast<int64_t>(spans.size()), 3}, indptr.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t u = 0; u < static_cast<int64_t>(units.size()); ++u)
+    for (int64_t i = 0; i < units[u].members; ++i) {
+      int64_t* row = o + 3 * unit_chunks[units[u].first + i];
+      row[0] = u, row[1] = units[u].members, row[2] = units[u].shared;
+    }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvmesh, m) {
+  m.def("decode_shared_units(Tensor indptr, Tensor slot_ids, int most=8, int min_units=1) -> Tensor");
   m.def("decode_attention_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_rows, Tensor indptr, Tensor slot_ids, "
         "float scale, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("decode_attention_", decode_attention_); }
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("decode_attention_", decode_attention_);
+  m.impl("decode_shared_units", decode_shared_units);
+}
