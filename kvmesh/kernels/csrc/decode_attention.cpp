@@ -512,25 +512,26 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
     const int64_t pairs = (b + 1) / 2;
     for (int64_t kvh = 0; kvh < heads; ++kvh) {
       interleave_v(v + kvh * v_s1, block, b, v_s0, kPairs32, vpairs);
-      for (int64_t g = 0; g < members * group; ++g) {  // the KV head's query heads in every member
-        const int64_t h = ((g / group) * heads + kvh) * group + g % group;
-        float* ah = acc + h * D;
-        __m512 av[2 * kPairs32], bv[2 * kPairs32];  // two sets, for alternate pairs of tokens
-        const __m512 al = _mm512_set1_ps(alpha[h]);
+      for (int64_t member = 0; member < members; ++member)  // the KV head's query heads in every member
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = (member * heads + kvh) * group + g;
+          float* ah = acc + h * D;
+          __m512 av[2 * kPairs32], bv[2 * kPairs32];  // two sets, for alternate pairs of tokens
+          const __m512 al = _mm512_set1_ps(alpha[h]);
 #pragma GCC unroll 16
-        for (int64_t j = 0; j < 2 * kPairs32; ++j) {
-          av[j] = _mm512_mul_ps(al, _mm512_loadu_ps(ah + 16 * j));
-          bv[j] = _mm512_setzero_ps();
-        }
-        int64_t i = 0;
-        for (; i + 2 <= pairs; i += 2) {  // pairs 0, 2, 4, ... into av, 1, 3, ... into bv
-          add_pair<2 * kPairs32>(av, wpair[i * ld + h], vpairs + 2 * i * kPairs32);
-          add_pair<2 * kPairs32>(bv, wpair[(i + 1) * ld + h], vpairs + 2 * (i + 1) * kPairs32);
-        }
-        if (i < pairs) add_pair<2 * kPairs32>(av, wpair[i * ld + h], vpairs + 2 * i * kPairs32);
+          for (int64_t j = 0; j < 2 * kPairs32; ++j) {
+            av[j] = _mm512_mul_ps(al, _mm512_loadu_ps(ah + 16 * j));
+            bv[j] = _mm512_setzero_ps();
+          }
+          int64_t i = 0;
+          for (; i + 2 <= pairs; i += 2) {  // pairs 0, 2, 4, ... into av, 1, 3, ... into bv
+            add_pair<2 * kPairs32>(av, wpair[i * ld + h], vpairs + 2 * i * kPairs32);
+            add_pair<2 * kPairs32>(bv, wpair[(i + 1) * ld + h], vpairs + 2 * (i + 1) * kPairs32);
+          }
+          if (i < pairs) add_pair<2 * kPairs32>(av, wpair[i * ld + h], vpairs + 2 * i * kPairs32);
 #pragma GCC unroll 16
-        for (int64_t j = 0; j < 2 * kPairs32; ++j) _mm512_storeu_ps(ah + 16 * j, _mm512_add_ps(av[j], bv[j]));
-      }
+          for (int64_t j = 0; j < 2 * kPairs32; ++j) _mm512_storeu_ps(ah + 16 * j, _mm512_add_ps(av[j], bv[j]));
+        }
     }
   }
   if (finish)
@@ -605,8 +606,11 @@ void heads_f32_pages(const float* q, int64_t q_s1, const float* k, const float* 
       }
     }
     for (int64_t h0 = 0; h0 < ld; h0 += 16) page_weights<Lanes16>(scores, ld, b, h0, m, sums, alpha + h0);
-    for (int64_t h = 0; h < nh; ++h)
-      add_values<Lanes16, kVec>(acc + h * D, alpha[h], v + ((h / group) % heads) * v_s1, block, b, v_s0, scores + h, ld);
+    // each query head over its KV head's V rows (the KV heads again for each member), no division
+    for (int64_t h = 0, kvh = 0, g = 0; h < nh; ++h) {
+      add_values<Lanes16, kVec>(acc + h * D, alpha[h], v + kvh * v_s1, block, b, v_s0, scores + h, ld);
+      if (++g == group) g = 0, kvh = kvh + 1 == heads ? 0 : kvh + 1;
+    }
   }
 }
 
