@@ -268,6 +268,7 @@ def test_the_decode_kernel_halves_its_largest_shared_unit_until_its_threads_have
     indptr = torch.tensor([0] + [t.numel() for t in tables]).cumsum(0)
     slots = torch.cat(tables).contiguous()
     units = native.decode_shared_units()
+    assert units(torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.long)).shape == (0, 3)  # no sequences
     assert units(indptr, slots).tolist() == [[0, 6, 320]] * 6
     assert units(indptr, slots, 4).tolist() == [[0, 3, 320]] * 3 + [[1, 3, 320]] * 3  # at most four a unit
     assert units(indptr, slots, 8, 4).tolist() == [

@@ -84,8 +84,8 @@ constexpr int64_t kMinSharedTokens = 64;
 // At most this many sequences in a unit: their query heads' queries and accumulators (48 KiB for
 // eight of the benchmark model's twelve heads of 64 in float32) stay in L2 while the shared pages
 // are read for them. Twelve layers' calls over sequences that share a 1,024-token prefix, with a
-// layer's weights read between calls (AMD EPYC Zen 4, one thread, float32, eight sequences; 32):
-// 4 a unit 10.5-10.7 ms (35-36), 8 a unit 8.9-9.2 (33-35), each sequence alone 11.1-13.2 (38).
+// layer's weights read between calls (`bench/shared_prefix_decode.py`; AMD EPYC Zen 4, one thread,
+// float32, eight sequences; 32): 4 a unit 10.5-10.7 ms (35-36), 8 a unit 8.9-9.2 (33-35).
 constexpr int64_t kMaxMembers = 8;
 constexpr int64_t kSharedRows = 16;
 
@@ -978,10 +978,9 @@ struct Unit {
 // page-at-a-time AVX-512 paths), a chunk joins the first chunk that begins with its first slot if
 // the two agree on kMinSharedTokens slots or more, and the unit's shared slots are what all its
 // members agree on with the leader, in whole pages (kSharedRows). Every other chunk is a unit of its
-// own. Then units of more than `most` members, and
-// while there are fewer than `min_units` the largest unit, are halved (halves share what the unit
-// shared): a unit is one thread's work (split at most by KV head), so one unit of many sequences
-// would leave the other threads idle.
+// own. Then units of more than `most` members, and while there are fewer than `min_units` the
+// largest unit, are halved (halves share what the unit shared): a unit is one thread's work (split
+// at most by KV head), so one unit of many sequences would leave the other threads idle.
 void shared_units(const std::vector<Span>& spans, const int64_t* slots, bool can_share, int64_t most,
                   int64_t min_units, std::vector<int64_t>& unit_chunks, std::vector<Unit>& units) {
   const int64_t chunks = static_cast<int64_t>(spans.size());
@@ -996,9 +995,9 @@ void shared_units(const std::vector<Span>& spans, const int64_t* slots, bool can
       auto [it, fresh] = by_first.try_emplace(slots[sp.first], c);
       if (fresh) continue;
       const Span lead = spans[it->second];
-      const int64_t most = std::min(sp.n, lead.n);
+      const int64_t overlap = std::min(sp.n, lead.n);
       int64_t same = 0;
-      while (same < most && slots[sp.first + same] == slots[lead.first + same]) ++same;
+      while (same < overlap && slots[sp.first + same] == slots[lead.first + same]) ++same;
       same = same / kSharedRows * kSharedRows;  // whole pages: a member's own slots keep their page boundaries
       if (same < kMinSharedTokens) continue;
       auto& j = joined[it->second];
@@ -1013,7 +1012,7 @@ void shared_units(const std::vector<Span>& spans, const int64_t* slots, bool can
     unit_chunks.push_back(c);
     if (others) unit_chunks.insert(unit_chunks.end(), joined[c].begin(), joined[c].end());
   }
-  while (true) {
+  while (!units.empty()) {
     const auto largest = std::max_element(units.begin(), units.end(),
                                           [](const Unit& a, const Unit& b) { return a.members < b.members; });
     if (largest->members < 2 || (largest->members <= most && static_cast<int64_t>(units.size()) >= min_units)) break;
