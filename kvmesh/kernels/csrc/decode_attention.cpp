@@ -947,6 +947,22 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
 }
 #endif
 
+// Whether a call of this type, head size and model's query heads goes a page at a time on AVX-512
+// (heads_f32_pages, heads_bf16_pages): the paths that take shared units, so the item loop and the
+// units ask the same question and a shared head goes the path it would go alone.
+template <typename scalar_t, int64_t kHeadDim>
+bool pages_path(int64_t heads) {
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+    if constexpr (std::is_same_v<scalar_t, float>) return heads >= kPagesMinHeads;
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHeadDim % 32 == 0 && kHeadDim <= 256)
+      return cpu_has_bf16_dot();
+  }
+#endif
+  (void)heads;
+  return false;
+}
+
 // A chunk of a sequence's context: its sequence, its first slot's index in slot_ids, how many.
 struct Span {
   int64_t seq, first, n;
@@ -1074,14 +1090,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
   // The units the chunks are computed in (`shared_units`).
   auto span = [&](int64_t c) { return spans[c]; };
-  bool can_share = false;
-#if defined(__AVX512F__)
-  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
-    if constexpr (std::is_same_v<scalar_t, float>) can_share = heads >= kPagesMinHeads;
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHeadDim % 32 == 0 && kHeadDim <= 256)
-      can_share = cpu_has_bf16_dot();
-  }
-#endif
+  const bool can_share = pages_path<scalar_t, kHeadDim>(heads);
   std::vector<int64_t> unit_chunks;
   std::vector<Unit> units;
   // Units of at most kMaxMembers, and with several threads no more than an even share of the
@@ -1232,7 +1241,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const int64_t* next_slots = next ? slots + after.first : nullptr;
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHeadDim % 32 == 0 && kHeadDim <= 256) {
-          if (cpu_has_bf16_dot()) {
+          if (pages_path<scalar_t, kHeadDim>(heads)) {
             scores.resize(kRowsBf16 * st.alpha.size());
             // interleave_v's pairs, on a cache line boundary, in vbuf (a page of one KV head's V
             // rows takes a quarter of it)
@@ -1248,7 +1257,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           }
         }
         if constexpr (std::is_same_v<scalar_t, float>) {
-          if (heads >= kPagesMinHeads) {
+          if (pages_path<scalar_t, kHeadDim>(heads)) {
             scores.resize(kRowsF32 * st.alpha.size());
             heads_f32_pages<kHeadDim / 16>(qp + row * q_s0 + h0 * q_s1, q_s1, kp + kv0 * k_s1, vp + kv0 * v_s1, k_s1,
                                            v_s1, slots + first, n, k_s0, v_s0, heads_per_item, group, fscale,
