@@ -7,7 +7,8 @@ pool (seed 0). Each case is one step's prefill chunks as (context length, new to
 from position 0, a chunk after a cached prefix, several prompts in one step. Prints
 milliseconds per call (median of 15 after 2 warm-up calls, wall time) for kvmesh's C++ prefill
 kernel and for torch's SDPA per sequence (what the CPU path took before), in float32 and
-bfloat16, and the kernel's GFLOP/s (the causal products Q.K and P.V).
+bfloat16, and the kernel's GFLOP/s (the causal products Q.K and P.V); where the CPU has AMX,
+bfloat16 also by the kernel's vector path (AVX512-BF16) with the tile units turned off.
 """
 
 from __future__ import annotations
@@ -64,9 +65,16 @@ def main() -> None:
             kernel = timed(lambda: kernel_plan(q, k, v, 0.125))
             sdpa_plan = AttentionPlan(seqs, use_kernel=False)
             sdpa = timed(lambda: sdpa_plan(q, k, v, 0.125))
+            vectors = ""
+            if dtype == torch.bfloat16 and native.tile_products():  # the kernel's path without the tile units
+                out = torch.empty_like(q)
+                p = kernel_plan
+                ms = timed(lambda: native.prefill_attention()(q, k, v, p.starts, p.counts, p.prefill_indptr,
+                                                               p.prefill_slots, 0, 0.125, out, tiles=False))
+                vectors = f", kernel without AMX tiles {1000 * ms:7.2f} ms ({ms / kernel:4.2f}x)"
             print(f"{str(layout):38} {str(dtype).removeprefix('torch.'):>9}: kernel {1000 * kernel:7.2f} ms "
-                  f"({flops / kernel / 1e9:5.1f} GFLOP/s), SDPA per sequence {1000 * sdpa:7.2f} ms ({sdpa / kernel:4.2f}x)",
-                  flush=True)
+                  f"({flops / kernel / 1e9:5.1f} GFLOP/s), SDPA per sequence {1000 * sdpa:7.2f} ms ({sdpa / kernel:4.2f}x)"
+                  f"{vectors}", flush=True)
 
 
 if __name__ == "__main__":

@@ -343,8 +343,7 @@ def test_prefill_kernel_equals_reference(dim, heads, kv_heads):
     (torch.float32, 16, 4, [(2100, 90), (300, 300)]),
     (torch.bfloat16, 8, 8, [(2100, 70), (40, 40)]),
 ])
-def test_prefill_kernel_in_tall_tiles_equals_the_reference(dtype, heads, kv_heads, layout, monkeypatch):
-    monkeypatch.setattr(native, "amx_tiles", lambda: False)  # with AMX, bfloat16 chunks would take torch's SDPA
+def test_prefill_kernel_in_tall_tiles_equals_the_reference(dtype, heads, kv_heads, layout):
     pages = sum(-(-ctx // PAGE) for ctx, _ in layout)
     q, kc, vc, seqs, _ = build_case(layout, heads=heads, kv_heads=kv_heads, dim=128, num_pages=pages, seed=heads)
     q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
@@ -358,27 +357,97 @@ def test_prefill_kernel_in_tall_tiles_equals_the_reference(dtype, heads, kv_head
         assert (out - ref).abs().max() <= (ref.abs().max() * 2 ** -6).item()
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+@pytest.mark.parametrize("tiles", [False, True], ids=["vectors", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim,heads,kv_heads", [(64, 12, 4), (128, 8, 2), (32, 4, 4)])
-def test_prefill_kernel_in_half_precision_equals_the_reference_on_the_same_inputs(dtype, dim, heads, kv_heads, amx,
+def test_prefill_kernel_in_half_precision_equals_the_reference_on_the_same_inputs(dtype, dim, heads, kv_heads, tiles,
                                                                                   monkeypatch):
-    """Both paths whatever this CPU is: the kernel, and, for bfloat16 where the CPU has AMX, torch's
-    SDPA per sequence (faster there)."""
-    monkeypatch.setattr(native, "amx_tiles", lambda: amx)
+    """The kernel's vector path, and (bfloat16, where the CPU has AMX) its tile path."""
     calls = []
     op = native.prefill_attention()
     if op is not None:
-        monkeypatch.setattr(native, "prefill_attention", lambda: lambda *a: calls.append(1) or op(*a))
+        monkeypatch.setattr(native, "prefill_attention", lambda: lambda *a: calls.append(1) or op(*a, tiles=tiles))
     q, kc, vc, seqs, _ = build_case(PREFILLS, heads=heads, kv_heads=kv_heads, dim=dim, num_pages=96, seed=5)
     q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
     ref = paged_attention_reference(q.double(), kc.double(), vc.double(), seqs, scale=dim**-0.5)
     out = AttentionPlan(seqs)(q, kc, vc, dim**-0.5)
-    assert calls == ([] if op is None or (amx and dtype == torch.bfloat16) else [1])
+    assert calls == ([] if op is None else [1])
     assert out.dtype == dtype
-    # float32 arithmetic on the half-precision values (with AVX512-BF16, P.V rounds the weights to
-    # bfloat16 first, as transformers does), the result rounded once more.
+    # float32 arithmetic on the half-precision values (with AVX512-BF16 or AMX, P.V rounds the
+    # weights to bfloat16 first, as transformers does), the result rounded once more.
     assert (out.double() - ref).abs().max() <= (ref.abs().max() * 2 ** -6).item()
+
+
+def prefill_on_tiles(q, kc, vc, seqs, scale, window=0, tiles=True):
+    """One call of the prefill kernel over every slice, as AttentionPlan makes it."""
+    plan = AttentionPlan(seqs, sliding_window=window)
+    out = torch.zeros_like(q)
+    native.prefill_attention()(q, kc, vc, plan.starts, plan.counts, plan.prefill_indptr, plan.prefill_slots,
+                               plan.window, scale, out, tiles=tiles)
+    return out
+
+
+def scatter_slots(seqs, seed):
+    """The same slices reading their tokens through one shuffled slot list: no block's slots run
+    in page order, so the tile path copies every key it multiplies (and the reference reads the
+    same shuffled K and V)."""
+    g = torch.Generator().manual_seed(seed)
+    return [SequenceSlice(s.query_start, s.query_end, s.slots[torch.randperm(len(s.slots), generator=g)], s.mask)
+            for s in seqs]
+
+
+@pytest.mark.skipif(not native.tile_products(), reason="no AMX tile units here (or no AVX-512 build)")
+@pytest.mark.parametrize("window", [0, 20], ids=["causal", "window"])
+@pytest.mark.parametrize("order", ["pages", "scattered"])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 12, 4), (128, 8, 2), (32, 4, 4), (96, 6, 2)])
+def test_bfloat16_prefill_on_amx_tiles_equals_the_reference_and_keeps_each_rows_bits(dim, heads, kv_heads, order,
+                                                                                     window):
+    """On the tile units: the scores of 16 keys a tile (a page's slots in place, or copied where a
+    block's slots are out of order), the window's first block from a page boundary, P.V from the
+    weights rounded to bfloat16. Each row's result is the same bits computed beside other chunks
+    or on one thread. (Tall tiles: test_prefill_kernel_in_tall_tiles_equals_the_reference.)"""
+    q, kc, vc, seqs, _ = build_case(PREFILLS, heads=heads, kv_heads=kv_heads, dim=dim, num_pages=96, seed=dim,
+                                    window=window or None)
+    if order == "scattered":
+        seqs = scatter_slots(seqs, dim)
+    seqs = [s for s in seqs if s.num_queries > 1]
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    scale = dim**-0.5
+    out = prefill_on_tiles(q, kc, vc, seqs, scale, window)
+    rows = torch.cat([torch.arange(s.query_start, s.query_end) for s in seqs])
+    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), seqs, scale=scale, sliding_window=window or None)
+    assert (out.double() - ref)[rows].abs().max() <= (ref.abs().max() * 2 ** -7).item()
+    vectors = prefill_on_tiles(q, kc, vc, seqs, scale, window, tiles=False)
+    assert (out.double() - vectors.double())[rows].abs().max() <= (ref.abs().max() * 2 ** -7).item()
+    assert not torch.equal(out[rows], vectors[rows])  # the tile path ran (its sums are in another order)
+    alone = next(s for s in seqs if s.num_queries == 300)
+    moved = SequenceSlice(0, alone.num_queries, alone.slots, alone.mask)
+    by_itself = prefill_on_tiles(q[alone.query_start : alone.query_end].contiguous(), kc, vc, [moved], scale, window)
+    assert torch.equal(by_itself, out[alone.query_start : alone.query_end])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(prefill_on_tiles(q, kc, vc, seqs, scale, window)[rows], out[rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not native.tile_products(), reason="no AMX tile units here (or no AVX-512 build)")
+@pytest.mark.parametrize("nats_per_key", [0.05, 0.8, -0.8])
+def test_bfloat16_prefill_on_amx_tiles_holds_when_scores_climb_hundreds_of_nats(nats_per_key):
+    """The tile path moves a row's reference max only when a block's scores pass it by more than 8
+    nats. Scores that climb along the keys (passing the max within a few blocks, or in every block
+    by about 50 nats), or fall, span hundreds of nats; the result stays the reference's."""
+    dim = 64
+    q, kc, vc, seqs, _ = build_case([(600, 77), (300, 300)], heads=8, kv_heads=2, dim=dim, num_pages=64, seed=16)
+    for s in seqs:  # key t of each sequence: t * nats_per_key / scale along a ones query
+        kc[s.slots] = (torch.arange(s.context_len) * nats_per_key / dim**0.5)[:, None, None].expand(-1, 2, dim)
+    q = torch.ones_like(q) + 0.01 * q
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    out = prefill_on_tiles(q, kc, vc, seqs, dim**-0.5)
+    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), seqs, scale=dim**-0.5)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max() <= (ref.abs().max() * 2 ** -7).item()
 
 
 def test_prefill_kernel_keeps_to_the_sliding_window_given_or_read_from_the_masks():

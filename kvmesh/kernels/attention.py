@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from kvmesh.kernels import native
 
 BACKENDS = ("auto", "triton", "torch")
+# What kvmesh's prefill kernel attends: float32, and half precision (bfloat16 on AMX's tile units
+# where the CPU has them, `kernels/csrc/prefill_attention.cpp`).
+PREFILL_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def plan_attention(seqs: list[SequenceSlice], device: torch.device, backend: str = "auto", page_size: int = 16,
@@ -109,8 +112,8 @@ class AttentionPlan:
     a cached prefix's, once for all of them: `native.decode_shared_units`); prefill chunks to its prefill
     kernel, likewise in one call (the sliding window, if any, applied there from positions). What
     the kernels cannot take (no C++ compiler, tensors not on the CPU, a head size the prefill
-    kernel has no tiles for, bfloat16 chunks on a CPU with AMX: `prefill_kernel_takes`) goes to
-    torch's fused attention one sequence at a time.
+    kernel has no tiles for, a dtype it has no path for) goes to torch's fused attention one
+    sequence at a time.
     """
 
     def __init__(self, seqs: list[SequenceSlice], use_kernel: bool = True, sliding_window: int | None = None):
@@ -141,7 +144,7 @@ class AttentionPlan:
             per_sequence = self.others
             if self.decodes:
                 self.op(q, k_cache, v_cache, self.rows, self.indptr, self.slot_ids, scale, out)
-            if self.prefills and q.shape[2] % 16 == 0 and prefill_kernel_takes(q.dtype):
+            if self.prefills and q.shape[2] % 16 == 0 and q.dtype in PREFILL_KERNEL_DTYPES:
                 self.prefill_op(q, k_cache, v_cache, self.starts, self.counts, self.prefill_indptr,
                                 self.prefill_slots, self.window, scale, out)
             else:
@@ -149,16 +152,6 @@ class AttentionPlan:
         for s in per_sequence:
             _sdpa_one(q, k_cache, v_cache, s, scale, out)
         return out
-
-
-def prefill_kernel_takes(dtype: torch.dtype) -> bool:
-    """Whether kvmesh's prefill kernel attends chunks of `dtype`: float32, bfloat16 and float16,
-    but not bfloat16 on a CPU with AMX, where torch's SDPA (oneDNN's products on the tile units)
-    ran 2-2.8x faster per sequence, gathering included (Intel Xeon with AMX-BF16, two threads,
-    `bench/prefill_attention.py`: a 1,024-token chunk 10.4 -> 3.8 ms per layer)."""
-    if dtype == torch.bfloat16:
-        return not native.amx_tiles()
-    return dtype in (torch.float32, torch.float16)
 
 
 def _window_of(seqs: list[SequenceSlice]) -> int:

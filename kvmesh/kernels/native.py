@@ -37,7 +37,7 @@ log = logging.getLogger("kvmesh.kernels")
 _SOURCES = [Path(__file__).with_name("csrc") / name
             for name in ("decode_attention.cpp", "prefill_attention.cpp", "kv_write.cpp", "fused_ops.cpp",
                          "small_linear.cpp")]
-_HEADERS = [Path(__file__).with_name("csrc") / name for name in ("paged_cache.h", "claims.h")]
+_HEADERS = [Path(__file__).with_name("csrc") / name for name in ("paged_cache.h", "claims.h", "amx.h")]
 # Each ISA's compiler flags, and the CPU_CAPABILITY torch builds the same code for: ATen's vector
 # types (used by fused_ops.cpp) take their intrinsics and Sleef functions from it.
 _ISA_FLAGS = {
@@ -153,8 +153,9 @@ def small_linear():
 
 @cache
 def tile_products() -> bool:
-    """Whether the few-rows kernel multiplies bfloat16 on AMX's tile units here: an AVX-512 build,
-    a CPU with AMX, and an OS that gave this process the tile registers (Linux 5.16 and later)."""
+    """Whether kvmesh's kernels multiply bfloat16 on AMX's tile units here (the few-rows products,
+    prefill attention): an AVX-512 build, a CPU with AMX, and an OS that gave this process the tile
+    registers (Linux 5.16 and later)."""
     return small_linear() is not None and _isa() == "avx512" and bool(torch.ops.kvmesh.amx_tiles_ready())
 
 

@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "claims.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -38,11 +39,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -281,25 +277,12 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* 
 // this path where the CPU has AMX (one row as fast as on the AVX-512 path); kernels/linear.py sends
 // products of more rows to oneDNN.
 
-// Linux gives a process the tile registers only when it asks for them (arch_prctl), once.
-bool amx_ready() {
-  static const bool ready = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool tile = edx & (1u << 24), bf16 = edx & (1u << 22);
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return tile && bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
+using kvmesh::amx_end;
+using kvmesh::amx_ready;
+using kvmesh::amx_start;
 
-// Palette 1, eight tiles of 16 rows x 64 bytes: 0-3 the sums of 32 rows x 32 columns (float32),
-// 4-5 two 16-row pieces of x, 6-7 the block's two 16-column halves.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
+// The shared configuration's tiles here: 0-3 the sums of 32 rows x 32 columns (float32), 4-5 two
+// 16-row pieces of x, 6-7 the block's two 16-column halves.
 
 // Rows [0, rows) (rows <= 32; x padded to whole 16-row pieces) of x against one block (K/2 pair
 // rows of 128 bytes), the sums into c ([32][32] float32).
@@ -357,13 +340,6 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void amx_store(const floa
     }
   }
 }
-
-__attribute__((target("amx-tile"))) void amx_start() {
-  static const TileConfig config;
-  _tile_loadconfig(&config);
-}
-
-__attribute__((target("amx-tile"))) void amx_end() { _tile_release(); }
 
 void run_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* bias,
              const std::optional<at::Tensor>& residual, at::Tensor& out) {
