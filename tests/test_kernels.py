@@ -404,10 +404,12 @@ def test_bfloat16_prefill_on_amx_tiles_equals_the_reference_and_keeps_each_rows_
                                                                                      window):
     """On the tile units: the scores of 16 keys a tile (a page's slots in place, or copied where a
     block's slots are out of order), the window's first block from a page boundary, P.V from the
-    weights rounded to bfloat16. Each row's result is the same bits computed beside other chunks
-    or on one thread. (Tall tiles: test_prefill_kernel_in_tall_tiles_equals_the_reference.)"""
-    q, kc, vc, seqs, _ = build_case(PREFILLS, heads=heads, kv_heads=kv_heads, dim=dim, num_pages=96, seed=dim,
-                                    window=window or None)
+    weights rounded to bfloat16, V paired once for the call where a prompt has several tiles. Each
+    row's result is the same bits computed beside other chunks or on one thread or four. (Tall
+    tiles: test_prefill_kernel_in_tall_tiles_equals_the_reference.)"""
+    # a long prompt beside them: V paired once for the call on every thread (dozens of blocks)
+    q, kc, vc, seqs, _ = build_case(PREFILLS + [(1100, 1100)], heads=heads, kv_heads=kv_heads, dim=dim, num_pages=170,
+                                    seed=dim, window=window or None)
     if order == "scattered":
         seqs = scatter_slots(seqs, dim)
     seqs = [s for s in seqs if s.num_queries > 1]
@@ -425,9 +427,10 @@ def test_bfloat16_prefill_on_amx_tiles_equals_the_reference_and_keeps_each_rows_
     by_itself = prefill_on_tiles(q[alone.query_start : alone.query_end].contiguous(), kc, vc, [moved], scale, window)
     assert torch.equal(by_itself, out[alone.query_start : alone.query_end])
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        assert torch.equal(prefill_on_tiles(q, kc, vc, seqs, scale, window)[rows], out[rows])
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            assert torch.equal(prefill_on_tiles(q, kc, vc, seqs, scale, window)[rows], out[rows])
     finally:
         torch.set_num_threads(threads)
 

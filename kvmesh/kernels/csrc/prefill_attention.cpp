@@ -22,7 +22,8 @@
 // multiply both products on the tile units instead ("bfloat16 on AMX's tile units" below): on an
 // Intel Xeon with AMX, two threads, the benchmark model's heads (`bench/prefill_attention.py`), a
 // 512-token prompt 2.6-2.9 ms a layer by `vdpbf16ps`, 1.3-1.4 by torch's SDPA (what bfloat16 took
-// on these CPUs before), 0.8 on the tiles; 1,024 tokens 10-12, 3.6-3.8 and 3.2-3.3.
+// on these CPUs before), 0.7 on the tiles; 1,024 tokens 10-12, 3.6-3.9 and 3.0; 1,024 after a
+// 15,360-token prefix 339, 109 and 72.
 //
 // Work items are (sequence, KV head, tile of query tokens; tiles four times as tall where a
 // sequence's K and V outgrow the caches, so that each row read from memory serves more queries);
@@ -45,6 +46,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -61,6 +63,7 @@ using fVec = Vectorized<float>;
 constexpr int64_t kW = fVec::size();  // float32 lanes: 16 with AVX-512, 8 otherwise
 constexpr int64_t kKeys = 32;         // keys per block of the online softmax
 constexpr int64_t kTileKeys = 64;     // the same on AMX's tile units (below)
+constexpr int64_t kValuePairsBytes = 64 << 20;  // the tile path's V pairs for a call, at most
 // Tiles: Q.K takes 4 keys against up to kRowVecs vectors of rows at once, P.V 4 rows against up
 // to kDimVecs vectors of V's dimensions: accumulators for 16 (AVX-512, 32 registers) or 8 (AVX2).
 constexpr int64_t kRowVecs = kW == 16 ? 4 : 2;
@@ -318,8 +321,9 @@ __attribute__((target("avx512f,avx512bf16"))) void pv_block_bf16(const uint32_t*
 //   the other operand as they lie. The sums come out [keys][rows], as `softmax_block` takes them.
 // - O += P.V: the weights rounded to bfloat16 (as the AVX512-BF16 path and transformers round
 //   them), two keys to a 32-bit word and transposed to [rows][keys / 2] (`pa`), against V packed
-//   as pairs of keys (`vw`, [keys / 2][head_dim]); O's float32 sums are loaded into a tile,
-//   added to and stored back, after `alpha` rescaled them.
+//   as pairs of keys (`vw`, [keys / 2][head_dim]; for a prompt of several tiles, packed once for
+//   the call before the tiles start: `run`); O's float32 sums are loaded into a tile, added to and
+//   stored back, after `alpha` rescaled them.
 // Tiles: 0-3 sums of four 16-key pieces, 4 queries, 5-6 keys (scores); 0 sums, 1 and 3 weights,
 // 2 and 4 values (P.V). A row's result depends only on its own queries and the keys (no sum
 // crosses rows), whatever the tile's height or the rows beside it.
@@ -409,11 +413,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_scores(const at::BFloat16*
 }
 
 // The block's weights (s[t][row], t < b) rounded to bfloat16 as pairs of keys and transposed to
-// pa[row][32] (pairs past the block's keys zero), and V's rows as pairs vw[32][D] (zero past b);
-// pairs 16-31 only where the block has more than 32 keys.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void amx_pack(const float* s, int64_t rows_pad, int64_t b,
-                                                                      const at::BFloat16* const* values, int64_t D,
-                                                                      uint32_t* pa, uint32_t* vw) {
+// pa[row][32] (pairs past the block's keys zero; pairs 16-31 only where the block has more than
+// 32 keys).
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void amx_weights(const float* s, int64_t rows_pad, int64_t b,
+                                                                         uint32_t* pa) {
   const __m512i zero = _mm512_setzero_si512();
   const int64_t halves = b > 32 ? 2 : 1;
   for (int64_t c = 0; c < rows_pad; c += 16) {
@@ -429,11 +432,17 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void amx_pack(const float
       for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(pa + (c + i) * 32 + 16 * h, w[i]);
     }
   }
-  // pairs of V's rows: 32 dimensions of two keys interleaved into 32 words
+}
+
+// A block's V rows (values[t], t < b, D values each) as pairs of keys, vw[u][d] = value d of key
+// 2u in the low half, of key 2u + 1 in the high (zero past b), for `pairs` pairs.
+__attribute__((target("avx512f,avx512bw"))) void amx_value_pairs(const at::BFloat16* const* values, int64_t b,
+                                                                  int64_t pairs, int64_t D, uint32_t* vw) {
+  const __m512i zero = _mm512_setzero_si512();
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  for (int64_t u = 0; u < 16 * halves; ++u) {
+  for (int64_t u = 0; u < pairs; ++u) {
     const int64_t t = 2 * u;
     for (int64_t d = 0; d < D; d += 32) {
       const __m512i r0 = t < b ? _mm512_loadu_si512(values[t] + d) : zero;
@@ -557,8 +566,8 @@ inline const at::BFloat16* key_rows(const at::BFloat16* kp, int64_t k_s0, int64_
 template <typename scalar_t>
 void run_item(const Item& it, const Seq& sq, const scalar_t* qp, int64_t q_s0, int64_t q_s1, const scalar_t* kp,
               const scalar_t* vp, int64_t k_s0, int64_t k_s1, int64_t v_s0, int64_t v_s1, const int64_t* slots,
-              int64_t group, int64_t D, int64_t window, float scale, bool bf16_dot, bool tiles, scalar_t* op,
-              int64_t o_s0, int64_t o_s1, Tile& tile) {
+              int64_t group, int64_t D, int64_t window, float scale, bool bf16_dot, bool tiles,
+              const uint32_t* value_pairs, scalar_t* op, int64_t o_s0, int64_t o_s1, Tile& tile) {
   const int64_t tokens = it.t1 - it.t0, rows = tokens * group;
   const int64_t rows_pad = (rows + kW - 1) / kW * kW;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -629,9 +638,11 @@ void run_item(const Item& it, const Seq& sq, const scalar_t* qp, int64_t q_s0, i
         const bool open = t0 + b - 1 <= pos0 && (window == 0 || t0 > last - window);
         amx_softmax(tile.s.data(), rows_pad, b, t0, window, scale, open, tile.pos.data(), tile.m.data(),
                     tile.l.data(), tile.alpha.data());
-        amx_pack(tile.s.data(), rows_pad, b, vraw, D, tile.pa.data(), tile.vw.data());
+        amx_weights(tile.s.data(), rows_pad, b, tile.pa.data());
+        const uint32_t* vw = value_pairs ? value_pairs + t0 / 2 * D : tile.vw.data();  // the call's pairs, or the block's own
+        if (!value_pairs) amx_value_pairs(vraw, b, b > 32 ? 32 : 16, D, tile.vw.data());
         amx_rescale(tile.alpha.data(), rows_pad, tile.o.data(), D);
-        amx_values(tile.pa.data(), rows_pad, b, tile.vw.data(), D, tile.o.data());
+        amx_values(tile.pa.data(), rows_pad, b, vw, D, tile.o.data());
         continue;
       }
       if (bf16_dot) {
@@ -715,6 +726,56 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
     }
   }
+  // On the tile path, each sequence of several query tiles gets its V rows paired once for the
+  // call (every tile of the sequence multiplies the same pairs) where it would pair them in every
+  // tile, up to kValuePairsBytes for the call (kept per calling thread, from call to call); blocks
+  // then start on multiples of 64 keys, which they do without a window.
+  std::vector<const uint32_t*> value_pairs(seqs.size() * kv_heads, nullptr);
+#if defined(__AVX512F__)
+  if (tiles && window == 0) {
+    thread_local std::vector<uint32_t> pairs_buf;
+    // a KV head's pairs: one row of D words per two keys, the context rounded up to whole blocks
+    auto head_words = [&](const Seq& sq) { return (sq.ctx + kTileKeys - 1) / kTileKeys * kTileKeys / 2 * D; };
+    std::vector<int64_t> at(seqs.size(), -1);  // where each sequence's pairs begin, if it has them
+    int64_t words = 0;
+    for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
+      const int64_t need = head_words(seqs[i]) * kv_heads;
+      if (seqs[i].nq <= 16 || (words + need) * 4 > kValuePairsBytes) continue;
+      at[i] = words;
+      words += need;
+    }
+    if (words > 0) {
+      if (static_cast<int64_t>(pairs_buf.size()) < words) pairs_buf.resize(words);
+      std::vector<std::array<int64_t, 3>> blocks;  // (sequence, KV head, first key)
+      for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
+        if (at[i] < 0) continue;
+        for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+          value_pairs[i * kv_heads + kvh] = pairs_buf.data() + at[i] + kvh * head_words(seqs[i]);
+          for (int64_t t0 = 0; t0 < seqs[i].ctx; t0 += kTileKeys) blocks.push_back({i, kvh, t0});
+        }
+      }
+      uint32_t* const buf = pairs_buf.data();  // this thread's buffer, filled by every thread of the team
+      const auto* vb = reinterpret_cast<const at::BFloat16*>(v_cache.data_ptr<scalar_t>());
+      std::atomic<int64_t> claim{0};
+      const int64_t nb = static_cast<int64_t>(blocks.size());
+      auto pair_up = [&](int64_t, int64_t) {
+        const at::BFloat16* rows[kTileKeys];
+        for (int64_t j = claim.fetch_add(1, std::memory_order_relaxed); j < nb;
+             j = claim.fetch_add(1, std::memory_order_relaxed)) {
+          const auto [i, kvh, t0] = blocks[j];
+          const int64_t b = std::min(kTileKeys, seqs[i].ctx - t0);
+          for (int64_t t = 0; t < b; ++t)
+            rows[t] = vb + slots[seqs[i].first + t0 + t] * v_cache.stride(0) + kvh * v_cache.stride(1);
+          amx_value_pairs(rows, b, kTileKeys / 2, D, buf + at[i] + kvh * head_words(seqs[i]) + t0 / 2 * D);
+        }
+      };
+      if (total < kParallelMinWork)
+        pair_up(0, 1);
+      else
+        at::parallel_for(0, at::get_num_threads(), 1, pair_up);
+    }
+  }
+#endif
   // Largest first, one item a claim: a thread the OS takes off its core (the mesh's other
   // processes share the worker's cores) holds back one item while the others take the rest.
   const int64_t threads = total < kParallelMinWork ? 1 : std::min<int64_t>(at::get_num_threads(), items.size());
@@ -736,8 +797,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < n; k = next.fetch_add(1, std::memory_order_relaxed)) {
       const Item& it = items[order[k]];
       run_item<scalar_t>(it, seqs[it.seq], qp, q.stride(0), q.stride(1), kp, vp, k_cache.stride(0), k_cache.stride(1),
-                         v_cache.stride(0), v_cache.stride(1), slots, group, D, window, fscale, bf16_dot, tiles, op,
-                         out.stride(0), out.stride(1), tile);
+                         v_cache.stride(0), v_cache.stride(1), slots, group, D, window, fscale, bf16_dot, tiles,
+                         value_pairs[it.seq * kv_heads + it.kvh], op, out.stride(0), out.stride(1), tile);
     }
 #if defined(__AVX512F__)
     if (tiles) kvmesh::amx_end();
