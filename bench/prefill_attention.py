@@ -73,8 +73,8 @@ def main() -> None:
                                                                p.prefill_slots, 0, 0.125, out, tiles=False))
                 vectors = f", kernel without AMX tiles {1000 * ms:7.2f} ms ({ms / kernel:4.2f}x)"
             print(f"{str(layout):38} {str(dtype).removeprefix('torch.'):>9}: kernel {1000 * kernel:7.2f} ms "
-                  f"({flops / kernel / 1e9:5.1f} GFLOP/s), SDPA per sequence {1000 * sdpa:7.2f} ms ({sdpa / kernel:4.2f}x)"
-                  f"{vectors}", flush=True)
+                  f"({flops / kernel / 1e9:5.1f} GFLOP/s), "
+                  f"SDPA per sequence {1000 * sdpa:7.2f} ms ({sdpa / kernel:4.2f}x){vectors}", flush=True)
 
 
 if __name__ == "__main__":

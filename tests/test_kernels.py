@@ -417,7 +417,8 @@ def test_bfloat16_prefill_on_amx_tiles_equals_the_reference_and_keeps_each_rows_
     scale = dim**-0.5
     out = prefill_on_tiles(q, kc, vc, seqs, scale, window)
     rows = torch.cat([torch.arange(s.query_start, s.query_end) for s in seqs])
-    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), seqs, scale=scale, sliding_window=window or None)
+    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), seqs, scale=scale,
+                                    sliding_window=window or None)
     assert (out.double() - ref)[rows].abs().max() <= (ref.abs().max() * 2 ** -7).item()
     vectors = prefill_on_tiles(q, kc, vc, seqs, scale, window, tiles=False)
     assert (out.double() - vectors.double())[rows].abs().max() <= (ref.abs().max() * 2 ** -7).item()

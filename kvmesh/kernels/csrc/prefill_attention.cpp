@@ -314,11 +314,12 @@ __attribute__((target("avx512f,avx512bf16"))) void pv_block_bf16(const uint32_t*
 
 // bfloat16 on AMX's tile units (Intel Xeon from Sapphire Rapids; checked at run time). The products
 // go on the tiles, a block of 64 keys at a time (kTileKeys: half the trips through O's sums of
-// 32-key blocks); the online softmax stays the AVX-512 code above, on the same transposed scores:
+// 32-key blocks); the online softmax is AVX-512 code (amx_softmax), on scores transposed as the
+// vector path's are:
 // - S^T = K.Q^T: 16 keys' rows of 32 dimensions are a tile as the cache holds them (a page's 16
 //   slots, consecutive, at the cache's row stride; copied into `kg` where a piece's slots are
 //   not in order), and the tile's queries as pairs of dimensions (`qw`, [head_dim / 2][rows]) are
-//   the other operand as they lie. The sums come out [keys][rows], as `softmax_block` takes them.
+//   the other operand as they lie. The sums come out [keys][rows], as the softmax takes them.
 // - O += P.V: the weights rounded to bfloat16 (as the AVX512-BF16 path and transformers round
 //   them), two keys to a 32-bit word and transposed to [rows][keys / 2] (`pa`), against V packed
 //   as pairs of keys (`vw`, [keys / 2][head_dim]; for a prompt of several tiles, packed once for
@@ -412,6 +413,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_scores(const at::BFloat16*
   }
 }
 
+// 16 float32 values rounded to bfloat16, each in the low half of a 32-bit word.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512i half_words(const float* x) {
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)));
+}
+
 // The block's weights (s[t][row], t < b) rounded to bfloat16 as pairs of keys and transposed to
 // pa[row][32] (pairs past the block's keys zero; pairs 16-31 only where the block has more than
 // 32 keys).
@@ -424,8 +430,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void amx_weights(const fl
       __m512i w[16];
       for (int64_t u = 0; u < 16; ++u) {
         const int64_t t = 32 * h + 2 * u;
-        const __m512i lo = t < b ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t * rows_pad + c))) : zero;
-        const __m512i hi = t + 1 < b ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + (t + 1) * rows_pad + c))) : zero;
+        const __m512i lo = t < b ? half_words(s + t * rows_pad + c) : zero;
+        const __m512i hi = t + 1 < b ? half_words(s + (t + 1) * rows_pad + c) : zero;
         w[u] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
       }
       transpose16(w);
@@ -460,7 +466,8 @@ __attribute__((target("avx512f"))) void amx_rescale(const float* alpha, int64_t 
     if (_mm512_cmp_ps_mask(_mm512_loadu_ps(alpha + c), one, _CMP_NEQ_UQ) == 0) continue;
     for (int64_t r = c; r < c + 16; ++r) {
       const __m512 a = _mm512_set1_ps(alpha[r]);
-      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), a));
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), a));
     }
   }
 }
@@ -471,10 +478,10 @@ __attribute__((target("avx512f"))) void amx_rescale(const float* alpha, int64_t 
 // row of the tile sees every key of the block (`open`; most blocks of a long prompt) the mask is not
 // computed at all. A visible score's weight is the same arithmetic either way, so a row's bits
 // do not depend on whether the rows beside it needed the mask. The max a row's weights are taken
-// against is moved only when its scores pass it by more than e^8 (FlashAttention-4's lazy rescale:
-// the softmax is the same for any reference; O is rescaled the less often). The exponential is ATen's exp_u20
-// (20 ulp; what ATen's own flash attention takes for half precision): the weights are rounded to
-// bfloat16, 8 bits, next.
+// against is moved only when its scores pass it by more than 8 (FlashAttention-4's lazy rescale:
+// the softmax is the same for any reference, the weights stay below e^8, and O is rescaled the less
+// often). The exponential is ATen's exp_u20 (20 ulp; what ATen's own flash attention takes for half
+// precision): the weights are rounded to bfloat16, 8 bits, next.
 constexpr float kStaleMax = 8.f;
 __attribute__((target("avx512f"))) void amx_softmax(float* s, int64_t rows_pad, int64_t b, int64_t key0,
                                                      int64_t window, float scale, bool open, const float* pos,
@@ -491,7 +498,8 @@ __attribute__((target("avx512f"))) void amx_softmax(float* s, int64_t rows_pad, 
       mx = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
     } else {
       const __m512 p = _mm512_loadu_ps(pos + v);
-      const __m512 low = window > 0 ? _mm512_sub_ps(p, _mm512_set1_ps(static_cast<float>(window))) : _mm512_set1_ps(-1.f);
+      const __m512 low =  // keys at or below are out
+          window > 0 ? _mm512_sub_ps(p, _mm512_set1_ps(static_cast<float>(window))) : _mm512_set1_ps(-1.f);
       for (int64_t t = 0; t < b; ++t) {
         const __m512 kpos = _mm512_set1_ps(static_cast<float>(key0 + t));
         const __mmask16 out = _mm512_cmp_ps_mask(kpos, p, _CMP_GT_OQ) | _mm512_cmp_ps_mask(kpos, low, _CMP_LE_OQ);
@@ -639,7 +647,8 @@ void run_item(const Item& it, const Seq& sq, const scalar_t* qp, int64_t q_s0, i
         amx_softmax(tile.s.data(), rows_pad, b, t0, window, scale, open, tile.pos.data(), tile.m.data(),
                     tile.l.data(), tile.alpha.data());
         amx_weights(tile.s.data(), rows_pad, b, tile.pa.data());
-        const uint32_t* vw = value_pairs ? value_pairs + t0 / 2 * D : tile.vw.data();  // the call's pairs, or the block's own
+        // the call's pairs of V rows (`run`), or the block's own
+        const uint32_t* vw = value_pairs ? value_pairs + t0 / 2 * D : tile.vw.data();
         if (!value_pairs) amx_value_pairs(vraw, b, b > 32 ? 32 : 16, D, tile.vw.data());
         amx_rescale(tile.alpha.data(), rows_pad, tile.o.data(), D);
         amx_values(tile.pa.data(), rows_pad, b, vw, D, tile.o.data());
@@ -794,7 +803,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(__AVX512F__)
     if (tiles) kvmesh::amx_start();
 #endif
-    for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < n; k = next.fetch_add(1, std::memory_order_relaxed)) {
+    for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < n;
+         k = next.fetch_add(1, std::memory_order_relaxed)) {
       const Item& it = items[order[k]];
       run_item<scalar_t>(it, seqs[it.seq], qp, q.stride(0), q.stride(1), kp, vp, k_cache.stride(0), k_cache.stride(1),
                          v_cache.stride(0), v_cache.stride(1), slots, group, D, window, fscale, bf16_dot, tiles,
