@@ -408,8 +408,8 @@ def test_bfloat16_prefill_on_amx_tiles_equals_the_reference_and_keeps_each_rows_
     row's result is the same bits computed beside other chunks or on one thread or four. (Tall
     tiles: test_prefill_kernel_in_tall_tiles_equals_the_reference.)"""
     # a long prompt beside them: V paired once for the call on every thread (dozens of blocks)
-    q, kc, vc, seqs, _ = build_case(PREFILLS + [(1100, 1100)], heads=heads, kv_heads=kv_heads, dim=dim, num_pages=170,
-                                    seed=dim, window=window or None)
+    q, kc, vc, seqs, _ = build_case(PREFILLS + [(1100, 1100)], heads=heads, kv_heads=kv_heads, dim=dim,
+                                    num_pages=170, seed=dim, window=window or None)
     if order == "scattered":
         seqs = scatter_slots(seqs, dim)
     seqs = [s for s in seqs if s.num_queries > 1]
@@ -444,7 +444,7 @@ def test_bfloat16_prefill_on_amx_tiles_holds_when_scores_climb_hundreds_of_nats(
     by about 50 nats), or fall, span hundreds of nats; the result stays the reference's."""
     dim = 64
     q, kc, vc, seqs, _ = build_case([(600, 77), (300, 300)], heads=8, kv_heads=2, dim=dim, num_pages=64, seed=16)
-    for s in seqs:  # key t of each sequence: t * nats_per_key / scale along a ones query
+    for s in seqs:  # key t scores about t * nats_per_key against a query of ones
         kc[s.slots] = (torch.arange(s.context_len) * nats_per_key / dim**0.5)[:, None, None].expand(-1, 2, dim)
     q = torch.ones_like(q) + 0.01 * q
     q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()

@@ -593,7 +593,7 @@ void run_item(const Item& it, const Seq& sq, const scalar_t* qp, int64_t q_s0, i
   if (bf16_dot) {
     tile.qw.assign(D / 2 * rows_pad, 0u);
 #if defined(__AVX512F__)
-    if (D % 32 == 0) {
+    if (D % 32 == 0 && q_s0 % 2 == 0 && q_s1 % 2 == 0) {  // rows of whole 32-bit words
       pack_queries(reinterpret_cast<const uint32_t*>(q0), q_s0 / 2, q_s1 / 2, group, rows, rows_pad, D / 2,
                    tile.qw.data());
     } else
