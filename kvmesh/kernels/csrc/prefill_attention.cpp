@@ -249,30 +249,39 @@ __attribute__((target("avx512f,avx512bf16"))) void qk_keys_bf16(const uint32_t* 
   }
 }
 
+// 16 float32 values rounded to bfloat16, each in the low half of a 32-bit word.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512i half_words(const float* x) {
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)));
+}
+
+// A block's V rows (values[t], t < b, D values each, D a multiple of 16) as pairs of keys, the
+// layout `vdpbf16ps` and the tile products take: vw[u][d] = value d of key 2u in the low half, of
+// key 2u + 1 in the high, zero past b; `pairs` pairs.
+__attribute__((target("avx512f,avx512bw"))) void pair_values(const at::BFloat16* const* values, int64_t b,
+                                                              int64_t pairs, int64_t D, uint32_t* vw) {
+  auto words = [&](int64_t t, int64_t d) {  // key t's values d .. d + 15 in the low halves of 32-bit words
+    if (t >= b) return _mm512_setzero_si512();
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[t] + d)));
+  };
+  for (int64_t u = 0; u < pairs; ++u)
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_si512(vw + u * D + d, _mm512_or_si512(words(2 * u, d), _mm512_slli_epi32(words(2 * u + 1, d), 16)));
+}
+
 // The block's weights rounded to bfloat16, two keys to a 32-bit word ([keys / 2][rows]), and V's
-// rows packed to match ([keys / 2][head_dim]: key 2u's value low, key 2u + 1's high); a block of
-// odd length pairs its last key with zeros.
+// rows packed to match (pair_values); a block of odd length pairs its last key with zeros.
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void pack_pairs_bf16(
     const float* s, int64_t rows_pad, const at::BFloat16* const* values, int64_t b, int64_t D, uint32_t* pw,
     uint32_t* vw) {
   for (int64_t u = 0; 2 * u < b; ++u) {
     const bool odd = 2 * u + 1 == b;
     for (int64_t v = 0; v < rows_pad; v += 16) {
-      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + 2 * u * rows_pad + v)));
-      const __m512i hi = odd ? _mm512_setzero_si512()
-                             : _mm512_cvtepu16_epi32(
-                                   (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + (2 * u + 1) * rows_pad + v)));
+      const __m512i lo = half_words(s + 2 * u * rows_pad + v);
+      const __m512i hi = odd ? _mm512_setzero_si512() : half_words(s + (2 * u + 1) * rows_pad + v);
       _mm512_storeu_si512(pw + u * rows_pad + v, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
-    const uint16_t* r0 = reinterpret_cast<const uint16_t*>(values[2 * u]);
-    const uint16_t* r1 = odd ? nullptr : reinterpret_cast<const uint16_t*>(values[2 * u + 1]);
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d)));
-      const __m512i hi =
-          odd ? _mm512_setzero_si512() : _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d)));
-      _mm512_storeu_si512(vw + u * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
   }
+  pair_values(values, b, (b + 1) / 2, D, vw);
 }
 
 template <int64_t MR, int64_t NV>
@@ -413,11 +422,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_scores(const at::BFloat16*
   }
 }
 
-// 16 float32 values rounded to bfloat16, each in the low half of a 32-bit word.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512i half_words(const float* x) {
-  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)));
-}
-
 // The block's weights (s[t][row], t < b) rounded to bfloat16 as pairs of keys and transposed to
 // pa[row][32] (pairs past the block's keys zero; pairs 16-31 only where the block has more than
 // 32 keys).
@@ -436,25 +440,6 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void amx_weights(const fl
       }
       transpose16(w);
       for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(pa + (c + i) * 32 + 16 * h, w[i]);
-    }
-  }
-}
-
-// A block's V rows (values[t], t < b, D values each) as pairs of keys, vw[u][d] = value d of key
-// 2u in the low half, of key 2u + 1 in the high (zero past b), for `pairs` pairs.
-__attribute__((target("avx512f,avx512bw"))) void amx_value_pairs(const at::BFloat16* const* values, int64_t b,
-                                                                  int64_t pairs, int64_t D, uint32_t* vw) {
-  const __m512i zero = _mm512_setzero_si512();
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  for (int64_t u = 0; u < pairs; ++u) {
-    const int64_t t = 2 * u;
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512i r0 = t < b ? _mm512_loadu_si512(values[t] + d) : zero;
-      const __m512i r1 = t + 1 < b ? _mm512_loadu_si512(values[t + 1] + d) : zero;
-      _mm512_storeu_si512(vw + u * D + d, _mm512_permutex2var_epi16(r0, lo_idx, r1));
-      _mm512_storeu_si512(vw + u * D + d + 16, _mm512_permutex2var_epi16(r0, hi_idx, r1));
     }
   }
 }
@@ -649,7 +634,7 @@ void run_item(const Item& it, const Seq& sq, const scalar_t* qp, int64_t q_s0, i
         amx_weights(tile.s.data(), rows_pad, b, tile.pa.data());
         // the call's pairs of V rows (`run`), or the block's own
         const uint32_t* vw = value_pairs ? value_pairs + t0 / 2 * D : tile.vw.data();
-        if (!value_pairs) amx_value_pairs(vraw, b, b > 32 ? 32 : 16, D, tile.vw.data());
+        if (!value_pairs) pair_values(vraw, b, b > 32 ? 32 : 16, D, tile.vw.data());
         amx_rescale(tile.alpha.data(), rows_pad, tile.o.data(), D);
         amx_values(tile.pa.data(), rows_pad, b, vw, D, tile.o.data());
         continue;
@@ -775,7 +760,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           const int64_t b = std::min(kTileKeys, seqs[i].ctx - t0);
           for (int64_t t = 0; t < b; ++t)
             rows[t] = vb + slots[seqs[i].first + t0 + t] * v_cache.stride(0) + kvh * v_cache.stride(1);
-          amx_value_pairs(rows, b, kTileKeys / 2, D, buf + at[i] + kvh * head_words(seqs[i]) + t0 / 2 * D);
+          pair_values(rows, b, kTileKeys / 2, D, buf + at[i] + kvh * head_words(seqs[i]) + t0 / 2 * D);
         }
       };
       if (total < kParallelMinWork)
