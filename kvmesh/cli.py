@@ -130,8 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # `kvmesh up` flags for the settings people change most, each passed to the one service that reads it
 # (the rest: --SERVICE-arg).
-UP_SETTINGS = {"scheduler": ("max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "victim_policy", "batching",
-                             "kv_fetch"),
+UP_SETTINGS = {"scheduler": ("max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "backlog_decode_every",
+                             "victim_policy", "batching", "kv_fetch"),
                "worker": ("device", "dtype", "kv_memory_mib", "gpu_memory_utilization", "kv_offload_mib", "threads",
                           "page_size"),
                "router": ("api_keys", "api_keys_file", "served_model_name")}

@@ -340,6 +340,79 @@ def test_no_step_carries_more_than_the_budget_under_load():
     assert_all_finished_in_full(run)
 
 
+def test_under_a_backlog_running_requests_decode_first_in_one_step_of_backlog_decode_every():
+    """With backlog_decode_every=2, while prompts wait the steps alternate: one gives the running
+    decodes their token first, the next gives the waiting prompts the budget first (the decodes
+    get what they leave). Every running request still decodes at least every other step, no step
+    carries more than the budget, and once nothing waits every step decodes first again."""
+    run = Run(max_batched_tokens=8, backlog_decode_every=2)
+    run.add(make_request("a", [1, 2], max_new=30, arrival=0.0), make_request("b", [3, 4], max_new=30, arrival=1.0))
+    run.step()  # a and b prefilled: from here on they decode
+    run.add(*[make_request(f"p{i}", range(100 + 10 * i, 108 + 10 * i), max_new=1, arrival=2.0 + i) for i in range(8)])
+    decoded = []
+    while run.scheduler.waiting:
+        plan, _ = run.step()
+        scheduled = run.scheduled(plan)
+        decoded.append(scheduled.get("a", 0) + scheduled.get("b", 0))
+    # Prompts of 8 fill a prompts-first step; a decodes-first step gives a and b theirs, then 6 prompt tokens.
+    assert len(decoded) >= 6 and decoded == [2, 0] * (len(decoded) // 2) + [2] * (len(decoded) % 2), decoded
+    plan, _ = run.step()
+    while run.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in run.scheduler.running):
+        plan, _ = run.step()
+    plan, _ = run.step()
+    assert run.scheduled(plan) == {"a": 1, "b": 1}  # no backlog: decodes first, every step
+    run.to_completion()
+    assert_all_finished_in_full(run)
+
+
+def test_with_backlog_decode_every_one_running_requests_decode_first_in_every_step():
+    run = Run(max_batched_tokens=8, backlog_decode_every=1)
+    run.add(make_request("a", [1, 2], max_new=30, arrival=0.0), make_request("b", [3, 4], max_new=30, arrival=1.0))
+    run.step()
+    run.add(*[make_request(f"p{i}", range(100 + 10 * i, 108 + 10 * i), max_new=1, arrival=2.0 + i) for i in range(8)])
+    steps = 0
+    while run.scheduler.waiting:
+        plan, _ = run.step()
+        scheduled = run.scheduled(plan)
+        assert scheduled["a"] == 1 and scheduled["b"] == 1
+        steps += 1
+    assert steps >= 6
+    run.to_completion()
+    assert_all_finished_in_full(run)
+
+
+def test_a_prompts_first_step_still_decodes_with_what_the_prompts_leave():
+    """A waiting prompt shorter than the budget leaves room: the running decodes take it in the
+    same step, so giving prompts the budget first never leaves a step short."""
+    run = Run(max_batched_tokens=8, backlog_decode_every=4)
+    run.add(make_request("a", [1, 2], max_new=8, arrival=0.0), make_request("b", [3, 4], max_new=8, arrival=1.0))
+    run.step()
+    run.add(make_request("short", [5, 6, 7], max_new=2, arrival=2.0))
+    plan, _ = run.step()
+    assert run.scheduled(plan) == {"short": 3, "a": 1, "b": 1}
+    run.to_completion()
+    assert_all_finished_in_full(run)
+
+
+def test_with_no_room_to_admit_the_waiting_prompts_decodes_go_first():
+    """Requests waiting for a free row (max_num_seqs) are no backlog a prompts-first step could
+    serve: the running requests decode first in every step."""
+    run = Run(max_batched_tokens=8, max_num_seqs=2, backlog_decode_every=2)
+    run.add(make_request("a", [1, 2], max_new=6, arrival=0.0), make_request("b", [3, 4], max_new=6, arrival=1.0))
+    run.step()
+    run.add(make_request("waits", list(range(100, 108)), max_new=2, arrival=2.0))
+    for _ in range(4):
+        plan, _ = run.step()
+        assert run.scheduled(plan) == {"a": 1, "b": 1}
+    run.to_completion()
+    assert_all_finished_in_full(run)
+
+
+def test_backlog_decode_every_must_be_at_least_one():
+    with pytest.raises(ValueError, match="backlog_decode_every must be >= 1"):
+        SchedulerConfig(backlog_decode_every=0)
+
+
 # -- preemption ----------------------------------------------------------------------------------
 
 
@@ -393,11 +466,12 @@ def random_workload(seed: int) -> list[Request]:
     ]
 
 
+@pytest.mark.parametrize("every", [1, 2])
 @pytest.mark.parametrize("policy", ["newest", "priority", "size"])
-def test_busy_small_pools_preempt_within_the_budget_and_still_finish_every_request_in_full(policy):
+def test_busy_small_pools_preempt_within_the_budget_and_still_finish_every_request_in_full(policy, every):
     preemptions = 0
     for seed in range(20):
-        run = Run(num_pages=12, page_size=2, max_batched_tokens=5, victim_policy=policy)
+        run = Run(num_pages=12, page_size=2, max_batched_tokens=5, victim_policy=policy, backlog_decode_every=every)
         run.add(*random_workload(seed))
         run.to_completion()  # checks the budget and the page accounting at every step
         assert_all_finished_in_full(run)
@@ -644,8 +718,9 @@ def ended_output(request: Request) -> list[int]:
     return full[:ends[0] + 1] if ends else full
 
 
+@pytest.mark.parametrize("every", [1, 2])
 @pytest.mark.parametrize("policy", ["newest", "size"])
-def test_overlapped_steps_stream_what_steps_in_turn_stream_and_free_every_page(policy):
+def test_overlapped_steps_stream_what_steps_in_turn_stream_and_free_every_page(policy, every):
     """Plans made while a step is out give every request the output steps taken one at a time
     give it, through preemption (pages run short), EOS found after the next plan went out, and
     pages too few to plan ahead; every page is free at the end."""
@@ -653,7 +728,8 @@ def test_overlapped_steps_stream_what_steps_in_turn_stream_and_free_every_page(p
     for seed in range(30):
         streams = {}
         for overlapped in (False, True):
-            run = Run(num_pages=12, page_size=2, max_batched_tokens=5, victim_policy=policy)
+            run = Run(num_pages=12, page_size=2, max_batched_tokens=5, victim_policy=policy,
+                      backlog_decode_every=every)
             run.add(*eos_workload(seed))
             if overlapped:
                 totals = [a + b for a, b in zip(totals, overlapped_to_completion(run))]

@@ -211,6 +211,7 @@ class SchedulerServiceConfig:
     balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("kv choice: allowed load above the least loaded worker, as a fraction of its load (a worker's load leaves out the request's prompt pages still queued there, and counts those it lacks and has no room for)"))
     balance_slack_pages: float = dataclasses.field(default=32.0, metadata=_help("kv choice: allowed load above the least loaded worker, in pages, at least"))
     min_shared_wait_tokens: int = dataclasses.field(default=256, metadata=_help("a waiting request waits for prompt pages a running request on its worker is computing (the same system prompt), instead of computing them too, when at least this many of its tokens would come from them"))
+    backlog_decode_every: int = dataclasses.field(default=2, metadata=_help("while requests wait that there is room to admit, running requests decode first in one step of this many, and the other steps give the waiting prompts the budget first (1: decodes first in every step, as vLLM; 2: each running request still decodes at least every other step, and a backlog of prompts gets the share of the machine the other decodes took: lower time to first token under load, longer pauses in streams)"))
     detach_grace_s: float = dataclasses.field(default=30.0, metadata=_help("a request whose client named its request_id runs on this long after its stream drops (router or client gone), its tokens kept, for the client to resume it (GenerateRequest.resume_from); then it is cancelled and its pages freed"))
 
     def __post_init__(self):
@@ -261,7 +262,8 @@ class SchedulerServiceConfig:
         from kvmesh.services.scheduler.core import SchedulerConfig
 
         return SchedulerConfig(self.max_batched_tokens or worker_step_tokens or None, self.max_num_seqs, self.victim_policy,
-                               self.aging_s, self.batching, self.max_prefill_chunk, self.min_shared_wait_tokens)
+                               self.aging_s, self.batching, self.max_prefill_chunk, self.min_shared_wait_tokens,
+                               self.backlog_decode_every)
 
 
 @dataclass(frozen=True)
