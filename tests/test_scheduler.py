@@ -394,6 +394,28 @@ def test_a_prompts_first_step_still_decodes_with_what_the_prompts_leave():
     assert_all_finished_in_full(run)
 
 
+def test_running_prompts_filling_prompts_first_steps_still_leave_every_other_step_to_the_decodes():
+    """Prompts already admitted and still prefilling take a prompts-first step's whole budget, so
+    the request waiting behind them is not admitted in it; the decodes still come first in every
+    other step, not only once those prompts are done."""
+    run = Run(num_pages=128, page_size=2, max_batched_tokens=8, max_prefill_chunk=4)
+    run.add(make_request("a", [1, 2], max_new=30, arrival=0.0), make_request("b", [3, 4], max_new=30, arrival=1.0))
+    run.step()
+    run.add(make_request("long", list(range(200, 240)), max_new=2, arrival=2.0),
+            make_request("other", list(range(300, 340)), max_new=2, arrival=3.0))
+    run.step()  # both admitted, their first chunks
+    run.add(make_request("behind", list(range(400, 410)), max_new=2, arrival=4.0))
+    decoded = []
+    while run.requests["behind"].status is Status.WAITING:
+        plan, _ = run.step()
+        scheduled = run.scheduled(plan)
+        decoded.append(("a" in scheduled) + ("b" in scheduled))
+    assert len(decoded) >= 6 and 0 in decoded, decoded  # the prompts did take steps first
+    assert all(x or y for x, y in zip(decoded, decoded[1:])), decoded  # never two steps without decodes
+    run.to_completion()
+    assert_all_finished_in_full(run)
+
+
 def test_with_no_room_to_admit_the_waiting_prompts_decodes_go_first():
     """Requests waiting for a free row (max_num_seqs) are no backlog a prompts-first step could
     serve: the running requests decode first in every step."""

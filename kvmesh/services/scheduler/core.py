@@ -227,12 +227,13 @@ class Scheduler:
             if static and not budget_ran_out:
                 self._batch_open = False
         if passed_over:
-            # The decodes take what the prompts left. Where no prompt could be admitted (pages), this is
-            # a decodes-first step after all, preemption included; else a victim could be a request this
-            # plan admits, so pages short end the decodes here and the next step decodes first.
+            # The decodes take what the prompts left. Where this plan admits nothing, they may preempt
+            # as in a decodes-first step; else a victim could be a request this plan admits, so pages
+            # short end the decodes here. Either way the next step decodes first (with `every` 2): a
+            # prompts-first step counts as one even when running prompts' chunks took its budget.
             left = self.config.max_batched_tokens - sum(c.num_tokens for c in plan.scheduled)
             self._schedule_running(passed_over, plan, chunks, left, ahead, preempt=not plan.new)
-        self._prompts_first_steps = self._prompts_first_steps + 1 if prompts_first and plan.new else 0
+        self._prompts_first_steps = self._prompts_first_steps + 1 if prompts_first else 0
         return plan
 
     def _prompts_first(self) -> bool:
