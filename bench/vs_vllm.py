@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-batched-tokens", type=int,
                     help="kvmesh's tokens per step (default: the engine's, 1024, or 2048 for bfloat16 on a CPU "
-                         "with AMX; vLLM's CPU build takes 4,096 offline)")
+                         "with AVX512-BF16 or AMX; vLLM's CPU build takes 4,096 offline)")
     ap.add_argument("--threads", type=int, default=0, help="kvmesh's torch threads (0: torch's default, every core)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", choices=("resident", "lazy"), default="resident",

@@ -42,7 +42,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", type=parse_size, default=1 << 30, help="KV cache memory (default 1GiB)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--max-batched-tokens", type=int,
-                   help="tokens per step (default 1024; 2048 for bfloat16 on a CPU with AMX)")
+                   help="tokens per step (default 1024; 2048 for bfloat16 on a CPU with AVX512-BF16 or AMX)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="running sequences at most (default 128)")
     p.add_argument("--victim-policy", choices=["newest", "priority", "size"], default="newest")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prompt prefix sharing")

@@ -26,8 +26,8 @@ class EngineConfig:
     """model: a checkpoint folder (None: the default model). KV memory is `kv_memory_bytes`
     unless `num_pages` is given. device "auto" is CUDA when torch sees one; dtype None is
     bfloat16 on CUDA and the checkpoint's on the CPU. A scheduler config without
-    `max_batched_tokens` takes the model's step size (`default_step_tokens`: 2,048 for bfloat16
-    on a CPU with AMX, else 1,024)."""
+    `max_batched_tokens` takes the model's offline step size (`default_step_tokens`: 2,048 for
+    bfloat16 on a CPU that multiplies it natively, AVX512-BF16 or AMX; else 1,024)."""
 
     model: str | Path | None = None
     device: str = "auto"
@@ -75,7 +75,7 @@ class LLMEngine:
         if scheduling.max_batched_tokens is None:
             from kvmesh.services.worker.device import default_step_tokens
 
-            scheduling = replace(scheduling, max_batched_tokens=default_step_tokens(model.device, model.dtype))
+            scheduling = replace(scheduling, max_batched_tokens=default_step_tokens(model.device, model.dtype, offline=True))
         self.scheduler = Scheduler(self.pool, scheduling)
         self._seeds = random.Random()
 

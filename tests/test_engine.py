@@ -369,17 +369,23 @@ def test_the_last_level_cache_is_read_from_linux():
     assert size == 0 or size >= 256 << 10, size
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
-def test_the_engine_takes_the_models_step_size_unless_given_one(hf_checkpoint, amx, monkeypatch):
-    """1,024 tokens a step, but 2,048 for bfloat16 on a CPU with AMX (oneDNN's tile kernels are
-    slow at a 1,024-token step's rows there); a budget given is kept."""
-    from kvmesh.kernels import native
+@pytest.mark.parametrize("amx,bf16_dot", [(False, False), (False, True), (True, True)],
+                         ids=["no-bf16-dot", "avx512-bf16", "amx"])
+def test_the_engine_takes_the_models_step_size_unless_given_one(hf_checkpoint, amx, bf16_dot, monkeypatch):
+    """1,024 tokens a step, but 2,048 offline for bfloat16 on a CPU that multiplies it natively
+    (AVX512-BF16 or AMX), where a served worker reports 2,048 only with AMX (oneDNN's tile kernels
+    are slow at a 1,024-token step's rows there); a budget given is kept."""
+    from kvmesh.kernels import linear, native
+    from kvmesh.services.worker.device import default_step_tokens
 
     monkeypatch.setattr(native, "amx_tiles", lambda: amx)
+    monkeypatch.setattr(linear, "native_half_products", lambda dtype: bf16_dot)
     model_dir = hf_checkpoint("llama")
     steps = {dtype: LLMEngine(EngineConfig(model=model_dir, dtype=dtype, num_pages=16)).scheduler.config.max_batched_tokens
              for dtype in ("float32", "bfloat16")}
-    assert steps == {"float32": 1024, "bfloat16": 2048 if amx else 1024}
+    assert steps == {"float32": 1024, "bfloat16": 2048 if bf16_dot else 1024}
+    served = {dtype: default_step_tokens(torch.device("cpu"), dtype) for dtype in (torch.float32, torch.bfloat16)}
+    assert served == {torch.float32: 1024, torch.bfloat16: 2048 if amx else 1024}
     given = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_pages=16,
                                    scheduler=SchedulerConfig(max_batched_tokens=40)))
     assert given.scheduler.config.max_batched_tokens == 40

@@ -3,7 +3,7 @@ and what the device reports about its own health.
 
 - `resolve_device("auto" | "cpu" | "cuda" | "cuda:N")`: auto is CUDA when torch sees a device.
 - `default_dtype`: on CUDA bfloat16 unless `--dtype` says otherwise; on the CPU the checkpoint's.
-- `default_step_tokens`: the in-process engine's tokens per step when not given.
+- `default_step_tokens`: tokens per step when not given, served and in the in-process engine.
 - KV memory on CUDA follows vLLM's `--gpu-memory-utilization`: the fraction of the device's memory
   this worker may use in all. Weights are loaded, one step of the largest size is run to measure
   the activations' peak, and the KV pool takes what remains of the budget (`kv_cache_bytes`), so a
@@ -60,22 +60,27 @@ def default_dtype(device: torch.device, asked: str | None) -> str | None:
     return "bfloat16" if device.type == "cuda" else None
 
 
-def default_step_tokens(device: torch.device, dtype: torch.dtype) -> int:
-    """Tokens per step for a model on `device` in `dtype` when not given: the in-process engine's
-    (`kvmesh offline`, `LLMEngine`), and the scheduler service's for a worker that reports it
-    (`WorkerInfo.step_tokens`, where `--max-batched-tokens` is 0). 1,024 (`DEFAULT_STEP_TOKENS`),
-    but 2,048 for bfloat16 on a CPU with AMX. There oneDNN's tile kernels, which take a prompt
-    step's products, multiply 512-1,024 rows at about half their speed at 256 or 2,048 (Intel Xeon
-    with AMX, two threads, three of the benchmark model's four shapes: 1.2-1.5 TFLOP/s against
-    2.3-2.9); the engine issue's offline workload ran 1.05-1.13x faster in 2,048-token steps, and
-    served at 8 requests/s with TTFT p50 7-15% lower (docs/benchmarks.md). Elsewhere larger steps
-    gain little per prompt token (AMD EPYC Zen 4, bfloat16: 2,048 2% cheaper than 1,024) and decode
-    every running request half as often."""
+def default_step_tokens(device: torch.device, dtype: torch.dtype, offline: bool = False) -> int:
+    """Tokens per step for a model on `device` in `dtype` when not given: the scheduler service's
+    for a worker that reports it (`WorkerInfo.step_tokens`, where `--max-batched-tokens` is 0), and
+    with `offline` the in-process engine's (`kvmesh offline`, `LLMEngine`). 1,024
+    (`DEFAULT_STEP_TOKENS`), but 2,048 for bfloat16 on a CPU with AMX. There oneDNN's tile kernels,
+    which take a prompt step's products, multiply 512-1,024 rows at about half their speed at 256
+    or 2,048 (Intel Xeon with AMX, two threads, three of the benchmark model's four shapes: 1.2-1.5
+    TFLOP/s against 2.3-2.9); the engine issue's offline workload ran 1.05-1.13x faster in
+    2,048-token steps, and served at 8 requests/s with TTFT p50 7-15% lower (docs/benchmarks.md).
+    Elsewhere larger steps gain little per prompt token and decode every running request half as
+    often, so a server keeps 1,024; offline, where no stream waits on a decode, bfloat16 takes
+    2,048 wherever the CPU multiplies it natively (AVX512-BF16: 2-3% more output tok/s on the
+    engine issue's workload, AMD EPYC Zen 4), as vLLM's CPU build takes larger steps offline
+    (4,096) than served (2,048). float32 keeps 1,024 offline too (2,048 gave 3% less there)."""
     from kvmesh.kernels import native
+    from kvmesh.kernels.linear import native_half_products
     from kvmesh.services.scheduler.core import DEFAULT_STEP_TOKENS
 
-    if device.type == "cpu" and dtype == torch.bfloat16 and native.amx_tiles():
-        return 2048
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        if native.amx_tiles() or (offline and native_half_products(dtype)):
+            return 2048
     return DEFAULT_STEP_TOKENS
 
 
