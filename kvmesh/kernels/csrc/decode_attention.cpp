@@ -130,10 +130,11 @@ constexpr int64_t chunk_of(int64_t vecs) {
 // made, written once over a vector width `X` (Lanes16 for heads_f32_pages, Lanes8 for heads_avx2):
 // a build has one of the two.
 
-// `lines` cache lines from `p` into L1.
+// `lines` cache lines from `p` into L1 (`kHint` _MM_HINT_T0) or L2 (_MM_HINT_T1).
+template <int kHint = _MM_HINT_T0>
 inline void prefetch_lines(const void* p, int64_t lines) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t l = 0; l < lines; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T0);
+  for (int64_t l = 0; l < lines; ++l) _mm_prefetch(c + 64 * l, static_cast<_mm_hint>(kHint));
 }
 
 // The page's weights of heads [h0, h0 + X::kN), in place of their scores ([b][ld], the heads in
@@ -543,9 +544,12 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
 //   16 heads' dot products reduced together by sum16 (a batch's last four or fewer by sum4, the
 //   same tree; the token's scores come out with the heads in the lanes of one vector), while that
 //   token's V row and the next page's K row (or the next sequence's first, `next_slots`) are
-//   prefetched whole into L1;
+//   prefetched whole into L2: a page's float32 K and V rows of the benchmark model are 32 KiB, with
+//   the next page's K as much as Zen 4's L1, and fetched into L1 they were evicted before use (AMD
+//   EPYC Zen 4, two threads, 112 sequences of about 320 tokens: 7.3-7.8 -> 6.4-6.7 ms of CPU time
+//   a call; a decode step of the engine at 112 rows 158-168 -> 148-150 ms);
 // - the online softmax in those lanes, 16 heads at a time, with no horizontal reduction;
-// - the weighted sum of V, one query head at a time over the page's rows (in L1 by then), kChunk
+// - the weighted sum of V, one query head at a time over the page's rows (in L1 or L2 by then), kChunk
 //   vectors of the row at a time in kSets accumulator sets (at least eight FMA chains).
 // heads_avx512 went a 32-slot block at a time, each query head over the block's keys on its own, a
 // KV head's quarter of each row at a time (AMD EPYC Zen 5, one thread, 53 sequences of about 330
@@ -582,8 +586,8 @@ void heads_f32_pages(const float* q, int64_t q_s1, const float* k, const float* 
     const int64_t b = page.rows;
     const int64_t* block = page.block;
     for (int64_t t = 0; t < b; ++t) {
-      prefetch_lines(v + block[t] * v_s0, lines);
-      if (t < page.ahead_rows) prefetch_lines(k + page.ahead[t] * k_s0, lines);
+      prefetch_lines<_MM_HINT_T1>(v + block[t] * v_s0, lines);
+      if (t < page.ahead_rows) prefetch_lines<_MM_HINT_T1>(k + page.ahead[t] * k_s0, lines);
       const float* krow = k + block[t] * k_s0;
       for (int64_t h0 = 0; h0 < ld; h0 += 16) {
         const int64_t hb = std::min<int64_t>(16, nh - h0);
