@@ -158,52 +158,16 @@ inline void page_weights(float* scores, int64_t ld, int64_t b, int64_t h0, float
   X::store(alpha, a);
 }
 
-// One query head's accumulator (`ah`, kVec vectors), rescaled by `alpha`, plus the page's V rows
-// of its KV head (`vh`, the b slots of `block`, v_s0 apart) at their weights (`w[t * ld]`): kChunk
-// vectors of the row at a time, in kSets accumulator sets over alternate tokens, so that at least
-// eight FMA chains hide each FMA's latency.
-template <class X, int64_t kVec, typename scalar_t>
-inline void add_values(float* ah, float alpha, const scalar_t* vh, const int64_t* block, int64_t b, int64_t v_s0,
-                       const float* w, int64_t ld) {
-  using V = typename X::V;
-  constexpr int64_t kChunk = chunk_of(kVec);
-  constexpr int64_t kSets = kChunk >= 8 ? 1 : (8 + kChunk - 1) / kChunk;
-  const V scale_acc = X::set1(alpha);
-  for (int64_t j0 = 0; j0 < kVec; j0 += kChunk) {
-    V sets[kSets][kChunk];
-    for (int64_t j = 0; j < kChunk; ++j) {
-      sets[0][j] = X::mul(scale_acc, X::load(ah + X::kN * (j0 + j)));
-      for (int64_t u = 1; u < kSets; ++u) sets[u][j] = X::zero();
-    }
-    int64_t t = 0;
-    for (; t + kSets <= b; t += kSets) {
-      for (int64_t u = 0; u < kSets; ++u) {
-        const scalar_t* value = vh + block[t + u] * v_s0 + X::kN * j0;
-        const V p = X::set1(w[(t + u) * ld]);
-        for (int64_t j = 0; j < kChunk; ++j) sets[u][j] = X::fmadd(p, X::load(value + X::kN * j), sets[u][j]);
-      }
-    }
-    for (; t < b; ++t) {
-      const scalar_t* value = vh + block[t] * v_s0 + X::kN * j0;
-      const V p = X::set1(w[t * ld]);
-      for (int64_t j = 0; j < kChunk; ++j) sets[0][j] = X::fmadd(p, X::load(value + X::kN * j), sets[0][j]);
-    }
-    for (int64_t j = 0; j < kChunk; ++j) {
-      V total_j = sets[0][j];
-      for (int64_t u = 1; u < kSets; ++u) total_j = X::add(total_j, sets[u][j]);
-      X::store(ah + X::kN * (j0 + j), total_j);
-    }
-  }
-}
-
-// add_values for kHeads query heads of one KV head at once (accumulators `acc` D = kVec * X::kN
-// apart, rescales `alpha`, weights `w[t * ld + i]`): each V row is loaded once for all of them
-// where add_values loaded it once per head. Every head's sums are add_values' own, in the same
-// order, so the bits are too. kHeads * kSets * kChunk accumulators stay in registers (24 for the
-// benchmark model's heads of 64, three heads).
+// kHeads query heads of one KV head: each one's accumulator (`acc` + i * D, D = kVec * X::kN
+// values), rescaled by `alpha[i]`, plus the page's V rows of the KV head (`vh`, the b slots of
+// `block`, v_s0 apart) at the head's weights (`w[t * ld + i]`): kChunk vectors of the row at a
+// time, in kSets accumulator sets over alternate tokens, so that at least eight FMA chains hide
+// each FMA's latency. Each V row is loaded once for all kHeads heads; a head's sums are the same
+// operations in the same order whatever kHeads, so its bits are too. kHeads * kSets * kChunk
+// accumulators stay in registers (24 for three of the benchmark model's heads of 64 in 16 lanes).
 template <class X, int64_t kVec, int64_t kHeads, typename scalar_t>
-inline void add_values_heads(float* acc, const float* alpha, const scalar_t* vh, const int64_t* block, int64_t b,
-                             int64_t v_s0, const float* w, int64_t ld) {
+inline void add_values(float* acc, const float* alpha, const scalar_t* vh, const int64_t* block, int64_t b,
+                       int64_t v_s0, const float* w, int64_t ld) {
   using V = typename X::V;
   constexpr int64_t kChunk = chunk_of(kVec);
   constexpr int64_t kSets = kChunk >= 8 ? 1 : (8 + kChunk - 1) / kChunk;
@@ -603,9 +567,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
 // - the weighted sum of V, up to three query heads of a KV head at a time over the page's rows (in
 //   L1 or L2 by then), each row loaded once for them, kChunk vectors of the row at a time in kSets
 //   accumulator sets (at least eight FMA chains); the scores likewise load a KV head's K row once
-//   for the heads of its group. Loaded once per head before, as the bits are the same: one thread,
-//   32 sequences of about 160 tokens (in cache), 0.47 -> 0.36-0.37 ms of CPU time a call; from
-//   memory (112 sequences of about 320 tokens, two threads) 3-4% less; AMD EPYC Zen 4.
+//   for the heads of its group. Each head loaded the rows itself before, with the same sums and so
+//   the same bits: one thread, 32 sequences of about 160 tokens (in cache), 0.47 -> 0.36-0.37 ms of
+//   CPU time a call; from memory (112 sequences of about 320 tokens, two threads) 3-4% less; AMD
+//   EPYC Zen 4.
 // heads_avx512 went a 32-slot block at a time, each query head over the block's keys on its own, a
 // KV head's quarter of each row at a time (AMD EPYC Zen 5, one thread, 53 sequences of about 330
 // tokens: 19.7 GB/s of K and V; docs/benchmarks.md). A head's score is its own dot product summed
@@ -671,16 +636,16 @@ void heads_f32_pages(const float* q, int64_t q_s1, const float* k, const float* 
     }
     for (int64_t h0 = 0; h0 < ld; h0 += 16) page_weights<Lanes16>(scores, ld, b, h0, m, sums, alpha + h0);
     // the query heads of each KV head over its V rows, up to three at once (the KV heads again for
-    // each member), no division
+    // each member)
     for (int64_t h = 0; h < nh;) {
       const int64_t together = std::min<int64_t>({group - h % group, nh - h, 3});
       const float* vh = v + ((h / group) % heads) * v_s1;
       if (together == 3)
-        add_values_heads<Lanes16, kVec, 3>(acc + h * D, alpha + h, vh, block, b, v_s0, scores + h, ld);
+        add_values<Lanes16, kVec, 3>(acc + h * D, alpha + h, vh, block, b, v_s0, scores + h, ld);
       else if (together == 2)
-        add_values_heads<Lanes16, kVec, 2>(acc + h * D, alpha + h, vh, block, b, v_s0, scores + h, ld);
+        add_values<Lanes16, kVec, 2>(acc + h * D, alpha + h, vh, block, b, v_s0, scores + h, ld);
       else
-        add_values_heads<Lanes16, kVec, 1>(acc + h * D, alpha + h, vh, block, b, v_s0, scores + h, ld);
+        add_values<Lanes16, kVec, 1>(acc + h * D, alpha + h, vh, block, b, v_s0, scores + h, ld);
       h += together;
     }
   }
@@ -1013,7 +978,8 @@ void heads_avx2(const float* qf, const scalar_t* k, const scalar_t* v, int64_t k
     for (int64_t h0 = 0; h0 < ld; h0 += 8) {
       page_weights<Lanes8>(scores, ld, b, h0, m, sums, alpha);
       for (int64_t h = h0; h < std::min(h0 + 8, nh); ++h)
-        add_values<Lanes8, kVec>(acc + h * D, alpha[h - h0], v + (h / group) * v_s1, block, b, v_s0, scores + h, ld);
+        add_values<Lanes8, kVec, 1>(acc + h * D, alpha + (h - h0), v + (h / group) * v_s1, block, b, v_s0, scores + h,
+                                    ld);
     }
   }
 }
