@@ -425,7 +425,10 @@ void split_to_natural(float* acc, int64_t vecs32) {
 //   products (`vdpbf16ps` on the rows as stored) reduced together by sum16 (a batch's last four
 //   or fewer by sum4, the same tree), so the token's scores come out with the heads in the lanes
 //   of one vector; meanwhile the next page's K and V rows (or the next sequence's first,
-//   `next_slots`) are prefetched whole into L1 (a page of the benchmark model's rows is 16 KiB);
+//   `next_slots`) are prefetched whole into L2 (a page of the benchmark model's rows is 16 KiB, half
+//   an L1, yet fetched into L1 the rows came from memory 1.4-1.7x slower: AMD EPYC Zen 4, two
+//   threads, 112 sequences of about 640 tokens, 73 MB of K and V, 5.7-6.8 -> 3.2-4.6 ms a call;
+//   the cases measured before, 37 MB, were partly in the L3);
 // - the online softmax in those lanes, 16 heads at a time, with no horizontal reduction, and each
 //   pair of tokens' weights rounded to bfloat16 and packed as `vdpbf16ps` takes them (`wpair`);
 // - the weighted sum of V, one KV head's rows interleaved in pairs once (interleave_v), then one
@@ -478,7 +481,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
       if (t < page.ahead_rows) {
         const char* kr = reinterpret_cast<const char*>(k + page.ahead[t] * k_s0);
         const char* vr = reinterpret_cast<const char*>(v + page.ahead[t] * v_s0);
-        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(kr + 64 * l, _MM_HINT_T0), _mm_prefetch(vr + 64 * l, _MM_HINT_T0);
+        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(kr + 64 * l, _MM_HINT_T1), _mm_prefetch(vr + 64 * l, _MM_HINT_T1);
       }
       const at::BFloat16* krow = k + block[t] * k_s0;
       for (int64_t h0 = 0; h0 < ld; h0 += 16) {
