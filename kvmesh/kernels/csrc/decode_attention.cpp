@@ -130,11 +130,11 @@ constexpr int64_t chunk_of(int64_t vecs) {
 // made, written once over a vector width `X` (Lanes16 for heads_f32_pages, Lanes8 for heads_avx2):
 // a build has one of the two.
 
-// `lines` cache lines from `p` into L1 (`kHint` _MM_HINT_T0) or L2 (_MM_HINT_T1).
-template <int kHint = _MM_HINT_T0>
+// `lines` cache lines from `p` into L2: every page-at-a-time path fetches a page's rows there, not
+// into L1, which a page's rows and the next page's overrun or nearly do (see each path).
 inline void prefetch_lines(const void* p, int64_t lines) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t l = 0; l < lines; ++l) _mm_prefetch(c + 64 * l, static_cast<_mm_hint>(kHint));
+  for (int64_t l = 0; l < lines; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T1);
 }
 
 // The page's weights of heads [h0, h0 + X::kN), in place of their scores ([b][ld], the heads in
@@ -479,9 +479,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void heads_bf16_
     const int64_t* block = page.block;
     for (int64_t t = 0; t < b; ++t) {
       if (t < page.ahead_rows) {
-        const char* kr = reinterpret_cast<const char*>(k + page.ahead[t] * k_s0);
-        const char* vr = reinterpret_cast<const char*>(v + page.ahead[t] * v_s0);
-        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(kr + 64 * l, _MM_HINT_T1), _mm_prefetch(vr + 64 * l, _MM_HINT_T1);
+        prefetch_lines(k + page.ahead[t] * k_s0, lines);
+        prefetch_lines(v + page.ahead[t] * v_s0, lines);
       }
       const at::BFloat16* krow = k + block[t] * k_s0;
       for (int64_t h0 = 0; h0 < ld; h0 += 16) {
@@ -609,8 +608,8 @@ void heads_f32_pages(const float* q, int64_t q_s1, const float* k, const float* 
     const int64_t b = page.rows;
     const int64_t* block = page.block;
     for (int64_t t = 0; t < b; ++t) {
-      prefetch_lines<_MM_HINT_T1>(v + block[t] * v_s0, lines);
-      if (t < page.ahead_rows) prefetch_lines<_MM_HINT_T1>(k + page.ahead[t] * k_s0, lines);
+      prefetch_lines(v + block[t] * v_s0, lines);
+      if (t < page.ahead_rows) prefetch_lines(k + page.ahead[t] * k_s0, lines);
       const float* krow = k + block[t] * k_s0;
       for (int64_t h0 = 0; h0 < ld; h0 += 16) {
         const int64_t hb = std::min<int64_t>(16, nh - h0);
@@ -940,9 +939,13 @@ __attribute__((always_inline)) inline void scores_of_row(const float* q, const s
 // page of slots at a time (kRowsAvx2), with an online softmax in float32:
 // - scores: each token's K row is read once, in address order, for every query head (batches of
 //   eight heads, eight FMA chains), while that token's V row and the next block's K row (or the
-//   next sequence's first, `next_slots`, on the same heads) are prefetched, whole rows in order;
+//   next sequence's first, `next_slots`, on the same heads) are prefetched into L2, whole rows in
+//   order (into L1 a page's float32 K and V rows and the next page's K, 48 KiB for the benchmark
+//   model, were more than an L1: this build run on an AMD EPYC Zen 4, two threads, 73 MB of K and
+//   V, float32 5.1-5.9 -> 3.6-4.3 ms a call (median; one outlier 7.1), bfloat16 5.7-6.5 -> 4.8-5.5;
+//   in cache level; not measured on an AVX2-only CPU);
 // - the block's weights, the heads in the lanes of `scores` ([kRowsAvx2][nh rounded up to 8]);
-// - the weighted sum of V, one query head at a time over the block's rows (in L1 by then).
+// - the weighted sum of V, one query head at a time over the block's rows (in L1 or L2 by then).
 // Every query head's scores used to come from its own pass over the block's rows (eight keys side
 // by side), a quarter of each row per KV head: AMD EPYC Zen 3, one thread, the benchmark model's
 // heads (12 over 4 of 64, float32), rows in L2: 15-18 -> 26 GB/s of K and V; 64 sequences of about
