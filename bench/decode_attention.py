@@ -10,6 +10,10 @@ bfloat16, and the bytes of K and V the step reads per millisecond. With SHARED >
 begins with the same SHARED tokens' pages (a cached system prompt) and has MEAN_CONTEXT tokens of its
 own after them (uniform in [mean/2, 3*mean/2] as above); the bytes counted are what the sequences
 see, the shared pages once per sequence.
+
+A case meant to read K and V from memory must be larger than the last-level cache in both
+dtypes: bfloat16's are half float32's bytes (112 sequences of about 320 tokens are 73 MB in
+float32 and 37 MB in bfloat16, partly in a 32 MiB L3; about 640 tokens, 73 MB in bfloat16).
 """
 
 from __future__ import annotations

@@ -425,10 +425,11 @@ void split_to_natural(float* acc, int64_t vecs32) {
 //   products (`vdpbf16ps` on the rows as stored) reduced together by sum16 (a batch's last four
 //   or fewer by sum4, the same tree), so the token's scores come out with the heads in the lanes
 //   of one vector; meanwhile the next page's K and V rows (or the next sequence's first,
-//   `next_slots`) are prefetched whole into L2 (a page of the benchmark model's rows is 16 KiB, half
-//   an L1, yet fetched into L1 the rows came from memory 1.4-1.7x slower: AMD EPYC Zen 4, two
-//   threads, 112 sequences of about 640 tokens, 73 MB of K and V, 5.7-6.8 -> 3.2-4.6 ms a call;
-//   the cases measured before, 37 MB, were partly in the L3);
+//   `next_slots`) are prefetched whole into L2 (a page of the benchmark model's rows is 16 KiB, so
+//   this page's and the next's fill a 32 KiB L1; fetched into L1, rows from memory came 1.4-1.9x
+//   slower: AMD EPYC Zen 4, 112 sequences of about 640 tokens, 73 MB of K and V, median wall time
+//   a call, two threads 6.2-6.9 -> 4.0-5.0 ms, one thread 11.0-13.1 -> 6.0-6.9; in cache level.
+//   The case measured when L1 was chosen, 37 MB, sat partly in the L3);
 // - the online softmax in those lanes, 16 heads at a time, with no horizontal reduction, and each
 //   pair of tokens' weights rounded to bfloat16 and packed as `vdpbf16ps` takes them (`wpair`);
 // - the weighted sum of V, one KV head's rows interleaved in pairs once (interleave_v), then one
