@@ -426,7 +426,7 @@ void split_to_natural(float* acc, int64_t vecs32) {
 //   or fewer by sum4, the same tree), so the token's scores come out with the heads in the lanes
 //   of one vector; meanwhile the next page's K and V rows (or the next sequence's first,
 //   `next_slots`) are prefetched whole into L2 (a page of the benchmark model's rows is 16 KiB, so
-//   this page's and the next's fill a 32 KiB L1; fetched into L1, rows from memory came 1.4-1.9x
+//   this page's and the next's fill a 32 KiB L1; fetched into L1, rows from memory came 1.25-1.9x
 //   slower: AMD EPYC Zen 4, 112 sequences of about 640 tokens, 73 MB of K and V, median wall time
 //   a call, two threads 6.2-6.9 -> 4.0-5.0 ms, one thread 11.0-13.1 -> 6.0-6.9; in cache level.
 //   The case measured when L1 was chosen, 37 MB, sat partly in the L3);
