@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvmesh.engine import EngineConfig, LLMEngine
-from kvmesh.kernels.linear import native_half_products, small_rows_dtype, small_rows_only
+from kvmesh.kernels.linear import native_half_products, small_rows_layout, small_rows_only
 from kvmesh.params import SamplingParams, StoppingParams
 from kvmesh.services.worker.checkpoint import CheckpointError, load_config
 from kvmesh.services.worker.model import CausalLM
@@ -94,6 +94,12 @@ def test_half_precision_checkpoints_load_in_their_dtype(tmp_path, dtype):
                                   + 3 * cfg.hidden_size * cfg.intermediate_size)
                 + cfg.vocab_size * cfg.hidden_size)
     table = 0 if own and cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2
-    assert model.small_rows == small_rows_dtype(model.linear_dtype, model.device)
-    copies = 2 if model.small_rows and not small_rows_only() else 1  # one where its layout replaces oneDNN's
-    assert model.weight_bytes() == matrices * (2 if own else 4) * copies + table
+    # the few-rows layout in the products' dtype, or in the model's bfloat16 where the kernel widens it
+    layout = small_rows_layout(model.dtype, model.linear_dtype, model.device)
+    assert model.small_rows == (layout is not None) and model.small_layout == layout
+    assert layout in (None, model.linear_dtype) or (layout == model.dtype == torch.bfloat16 and not own)
+    if model.small_rows:
+        assert model.lm_head.small.dtype == layout
+    onednn = 0 if model.small_rows and small_rows_only() else matrices * (2 if own else 4)  # none where it replaces oneDNN's
+    kernel = matrices * layout.itemsize if model.small_rows else 0
+    assert model.weight_bytes() == onednn + kernel + table

@@ -15,7 +15,9 @@ from kvmesh.kernels.linear import (
     onednn_rows,
     small_rows_copies,
     small_rows_dtype,
+    small_rows_layout,
     small_rows_only,
+    small_rows_widens,
 )
 
 SHAPES = [(1, 1), (48, 33), (256, 64), (130, 257)]  # (out_features, in_features)
@@ -300,13 +302,52 @@ def test_a_layer_gives_the_kernel_the_rows_it_is_faster_at(dtype, small_calls):
 
 
 def test_the_few_rows_kernel_takes_float32_products_of_half_precision_weights():
+    """A bfloat16 layer that multiplies in float32 keeps its few-rows layout in bfloat16 where the
+    kernel widens it (the AVX-512 build: half the bytes a decode step reads), in float32 otherwise
+    (AVX2); either way a row's result is the float32 layer's over the same values, bit for bit."""
     weight, bias, x = make_case(130, 258, 5, torch.bfloat16, with_bias=True)
     if not small_rows_dtype(torch.float32, CPU):
         pytest.skip("no few-rows kernel on this CPU (it needs AVX2 or AVX-512)")
     layer = PackedLinear(weight, bias, compute_dtype=torch.float32, small_rows=True)
-    assert layer.small is not None and layer.small.dtype == torch.float32
+    widened = linear_module.native.small_linear_columns() == 32
+    assert small_rows_widens(torch.bfloat16, CPU) == widened
+    assert small_rows_layout(torch.bfloat16, torch.float32, CPU) == (torch.bfloat16 if widened else torch.float32)
+    assert layer.small is not None and layer.small.dtype == (torch.bfloat16 if widened else torch.float32)
     torch.testing.assert_close(layer(x).double(), rounded(float64_linear(x, weight, bias), torch.bfloat16),
                                atol=1e-6, rtol=2.0**-7)
+    plain = PackedLinear(weight.float(), bias.float(), small_rows=True)
+    assert plain.small.dtype == torch.float32
+    for rows in (1, 5, 12, 13, 48):
+        rows_x = make_case(130, 258, rows, torch.bfloat16, with_bias=True, seed=rows)[2]
+        assert torch.equal(layer(rows_x), plain(rows_x.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("shape", [(1, 2), (48, 34), (130, 258), (1280, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_widened_bfloat16_weights_give_the_float32_kernels_bits(shape, with_bias, threads):
+    """The kernel's float32 rows against a bfloat16 layout (each pair widened in registers) sum the
+    same products in the same order as against the float32 layout of the same values: equal bits,
+    bias and residual included, at every tile size and thread split."""
+    if not small_rows_widens(torch.bfloat16, CPU):
+        pytest.skip("the few-rows kernel widens bfloat16 weights in the AVX-512 build only")
+    weight, bias, _ = make_case(*shape, 1, torch.bfloat16, with_bias)
+    op = linear_module.native.small_linear()
+    narrow, wide = linear_module._small_pack(weight), linear_module._small_pack(weight.float())
+    bias = None if bias is None else bias.float()
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 11, 12, 13, 25, 48, 100):
+            x = make_case(*shape, rows, torch.float32, with_bias=False, seed=rows)[2]
+            residual = torch.randn(rows, shape[0], generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(op(x, narrow, shape[0], bias, None), op(x, wide, shape[0], bias, None))
+            assert torch.equal(op(x, narrow, shape[0], bias, residual), op(x, wide, shape[0], bias, residual))
+    finally:
+        torch.set_num_threads(kept)
+    with pytest.raises(RuntimeError, match="even number of in_features"):
+        odd = torch.randn(3, 33)
+        op(odd, linear_module._small_pack(torch.randn(4, 34).to(torch.bfloat16)), 4, None, None)
 
 
 def test_the_few_rows_kernel_is_where_the_cpu_has_it_and_its_copy_where_memory_allows():
@@ -325,8 +366,14 @@ def test_the_few_rows_kernel_is_where_the_cpu_has_it_and_its_copy_where_memory_a
     assert small_rows_only() == (built and linear_module.native.small_linear_columns() == 16)  # the AVX2 build
     gib = 1 << 30
     # a second copy beside oneDNN's where both fit in half of the memory; the only copy needs no room
-    assert small_rows_copies(torch.float32, CPU, gib, available=4 * gib) == built
-    assert small_rows_copies(torch.float32, CPU, gib, available=4 * gib - 1) == small_rows_only()
+    layout = small_rows_layout(torch.float32, torch.float32, CPU)
+    assert layout == (torch.float32 if built else None)
+    assert small_rows_copies(layout, gib, gib, available=4 * gib) == built
+    assert small_rows_copies(layout, gib, gib, available=4 * gib - 1) == small_rows_only()
+    # a bfloat16 layout beside float32 products' copy (widened: the AVX-512 build) is half the size
+    assert small_rows_copies(torch.bfloat16, 2 * gib, gib, available=6 * gib)
+    assert small_rows_copies(torch.bfloat16, 2 * gib, gib, available=6 * gib - 1) == small_rows_only()
+    assert not small_rows_copies(None, gib, 0, available=1 << 50)
     # without the copy a layer is as before: oneDNN's packed weight only
     weight, _, _ = make_case(48, 34, 1, torch.float32, with_bias=False)
     assert PackedLinear(weight).small is None

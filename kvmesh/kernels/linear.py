@@ -22,9 +22,12 @@ rows up (Intel Xeon, Ice Lake, two threads, the benchmark model's shapes, float3
 the same bfloat16 values: 32 rows 1.1-4.3 ms against 0.6-1.3 ms; 1,024 rows 35-134 ms against
 13-35), 1.5-1.6x slower at four rows, level at two; only at one row, where reading half the bytes
 is what counts, were they faster (0.12-0.29 ms against 0.21-0.49). So such a CPU multiplies
-bfloat16 in float32 too (`native_half_products`): a single stream's steps lose that (bench-125m
-in bfloat16, one stream: 44-47 -> 33 tok/s), every batch gains (the engine issue's workload: 101
--> 220-295 output tok/s, vLLM CPU about 100).
+bfloat16 in float32 too (`native_half_products`), and every batch gains (the engine issue's
+workload: 101 -> 220-295 output tok/s, vLLM CPU about 100); a decode step's products still read
+the bfloat16 weights as stored, from the few-rows kernel's layout, each pair widened to float32 in
+registers (`small_rows_widens`), for the same bits as float32 weights: one stream of bench-125m in
+bfloat16 29-37 -> 52-61 tok/s, where float32 gives 36-43 (Ice Lake, two threads,
+bench/single_stream.py).
 """
 
 from __future__ import annotations
@@ -148,6 +151,32 @@ def small_rows_dtype(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
+def small_rows_widens(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the few-rows kernel multiplies float32 rows against weights of `dtype` as stored,
+    widening each pair of values to float32 in registers (bfloat16, in the AVX-512 build).
+    A bfloat16 model that multiplies in float32 (`half_linear_dtype`) keeps its few-rows layout in
+    bfloat16 then, so a decode step reads half the bytes of a float32 copy, for the same sums bit for
+    bit (the same products of the same values, in the same order). Intel Xeon, Ice Lake (no
+    AVX512-BF16), two threads, bench/linear_rows.py over the benchmark model's layers: one row 9-15
+    ms a pass against 18-19 from the float32 layout, 16 rows 17.6 against 26, 32 rows 25-29 against
+    34-40. It was as fast as oneDNN's float32 kernels or faster up to 512 rows, slower at 1,024
+    (5-7%); the layers give it the float32 layout's limit (`SMALL_ROWS`) all the same: taking prompt
+    steps too was level on the engine's offline workload within this machine's noise, and would
+    change their sums from oneDNN's (the layer then keeps its float32 copy for oneDNN)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and native.small_linear() is not None
+            and native.small_linear_columns() == 32)
+
+
+def small_rows_layout(dtype: torch.dtype, linear_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The dtype of the few-rows layout of a model of `dtype` whose products run in `linear_dtype`
+    (`half_linear_dtype`): the model's own where the products are widened to float32 from it
+    (`small_rows_widens`), `linear_dtype` where the kernel multiplies that (`small_rows_dtype`),
+    None where the kernel takes neither."""
+    if linear_dtype == torch.float32 and dtype != linear_dtype and small_rows_widens(dtype, device):
+        return dtype
+    return linear_dtype if small_rows_dtype(linear_dtype, device) else None
+
+
 def small_rows_limit(dtype: torch.dtype) -> int:
     """Rows up to which the few-rows kernel takes a product of `dtype` from a layer that has its
     layout (`SMALL_ROWS`, `AMX_BF16_ROWS`); sys.maxsize where it takes every product."""
@@ -163,19 +192,20 @@ def small_rows_only() -> bool:
     return native.small_linear() is not None and SMALL_ROWS[native.small_linear_columns()] is None
 
 
-def small_rows_copies(dtype: torch.dtype, device: torch.device, weight_bytes: int, available: int | None = None) -> bool:
-    """Whether a model's layers keep their weights (`weight_bytes`) in the few-rows kernel's layout:
-    where it multiplies `dtype` (`small_rows_dtype`), and, where that layout is a second copy beside
-    oneDNN's (`small_rows_only` false), when both copies fit in half of the memory available
+def small_rows_copies(layout: torch.dtype | None, weight_bytes: int, layout_bytes: int,
+                      available: int | None = None) -> bool:
+    """Whether a model's layers keep their weights in the few-rows kernel's layout: where it has one
+    (`layout`, `small_rows_layout`), and, where that layout is a second copy (`layout_bytes`) beside
+    oneDNN's (`weight_bytes`; `small_rows_only` false), when both fit in half of the memory available
     (`available`, default the system's)."""
-    if not small_rows_dtype(dtype, device):
+    if layout is None:
         return False
     if small_rows_only():
         return True
     available = _memory_available(available)
-    if 4 * weight_bytes > available:
+    if 2 * (weight_bytes + layout_bytes) > available:
         log.info("decode steps' matrix products stay in oneDNN: a second copy of the weights for the few-rows "
-                 "kernel (%d MiB) does not fit in half of the %d MiB available", weight_bytes >> 20, available >> 20)
+                 "kernel (%d MiB) does not fit in half of the %d MiB available", layout_bytes >> 20, available >> 20)
         return False
     return True
 
@@ -208,11 +238,14 @@ class PackedLinear:
     input's dtype before the residual is added (two roundings, as transformers' `residual + proj(x)`).
     With `small_rows` (`small_rows_copies`), the weight in the few-rows kernel's layout takes products
     of up to `small_limit` rows (decode steps; `small_rows_limit`), beside oneDNN's copy, or every product
-    with no other copy where that build is the faster at every row count (`small_rows_only`)."""
+    with no other copy where that build is the faster at every row count (`small_rows_only`); that
+    layout keeps a bfloat16 weight as stored where its products run in float32 and the kernel widens
+    it (`small_rows_layout`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  compute_dtype: torch.dtype | None = None, small_rows: bool = False):
         self.out_features, self.in_features = weight.shape
+        stored = weight
         self.compute_dtype = compute_dtype if compute_dtype not in (None, weight.dtype) else None
         if self.compute_dtype is not None:
             weight = weight.to(self.compute_dtype)
@@ -220,9 +253,10 @@ class PackedLinear:
         self.bias = bias
         self.dtype = weight.dtype  # the products'
         self.small, self.small_limit = None, 0
-        if small_rows and small_rows_dtype(weight.dtype, weight.device) and (weight.dtype == torch.float32
-                                                                              or self.in_features % 2 == 0):
-            self.small = _small_pack(weight.contiguous())
+        layout = small_rows_layout(stored.dtype, weight.dtype, weight.device) if small_rows else None
+        if layout is not None and (layout == torch.float32 or self.in_features % 2 == 0):
+            # bfloat16 pairs in the layout's dtype: stored as loaded where the kernel widens them
+            self.small = _small_pack((stored if layout == stored.dtype else weight).contiguous())
             self.small_limit = small_rows_limit(weight.dtype)
         self.packed = self.weight = None
         if self.small_limit < sys.maxsize:
@@ -234,7 +268,7 @@ class PackedLinear:
         """Gives a layer whose few-rows layout takes every product oneDNN's copy too, so that
         lowering `small_limit` sends products to oneDNN (benchmarks compare the two)."""
         if self.packed is None and self.weight is None:
-            weight = _small_unpack(self.small, self.out_features).contiguous()
+            weight = _small_unpack(self.small, self.out_features).to(self.dtype).contiguous()
             self.packed = _pack(weight)
             self.weight = weight if self.packed is None else None
 

@@ -18,6 +18,11 @@
 // bfloat16 needs AVX512-BF16 (the caller checks); the products are exact in float32, summed in
 // float32, rounded to bfloat16 once at the end (after the bias and the residual, as oneDNN's
 // fused add does). Where the CPU has AMX, bfloat16 goes on its tile units instead (run_amx).
+// Where it has neither, a bfloat16 model multiplies in float32 (kernels/linear.py), and the
+// AVX-512 build takes float32 rows against the bfloat16 layout: each pair row is widened in
+// registers (a shift and a mask: bfloat16 is float32's upper half), so a decode step reads half
+// the bytes of a float32 copy, and the sums are the float32 path's bit for bit (the same products
+// of the same values, in the same order).
 //
 // Registered as torch.ops.kvmesh.small_linear (AVX-512 and AVX2 builds; the caller checks).
 
@@ -136,36 +141,74 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_bf16(con
   store_tile<at::BFloat16>(acc, R, e.valid, e.bias, e.residual, e.ld, e.out);
 }
 
-template <typename scalar_t, int R>
-inline void tile(const scalar_t* x, int64_t K, const scalar_t* w, const char* pf, const Epilogue<scalar_t>& e) {
-  if constexpr (std::is_same_v<scalar_t, float>)
+// R rows of x (float32, row stride K, K even) against one bfloat16 block (K/2 x 32 pairs), each
+// pair row widened to float32 in registers: the low half of each 32-bit lane is the pair's first
+// value (row 2p of the block), the high half its second (2p + 1). The sums run k ascending, as
+// tile_f32's over the widened weights.
+template <int R>
+inline void tile_widened(const float* x, int64_t K, const at::BFloat16* w, const char* pf, const Epilogue<float>& e) {
+  __m512 acc[2 * R];
+#pragma GCC unroll 24
+  for (int r = 0; r < 2 * R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < K / 2; ++p) {
+    const __m512i raw0 = _mm512_loadu_si512(w + 2 * kCols * p);
+    const __m512i raw1 = _mm512_loadu_si512(w + 2 * kCols * p + 32);
+    _mm_prefetch(pf + 128 * p, _MM_HINT_T1);
+    _mm_prefetch(pf + 128 * p + 64, _MM_HINT_T1);
+    const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(raw0, 16));
+    const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(raw1, 16));
+    const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(raw0, high));
+    const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(raw1, high));
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xe = _mm512_set1_ps(x[r * K + 2 * p]);
+      const __m512 xo = _mm512_set1_ps(x[r * K + 2 * p + 1]);
+      acc[2 * r] = _mm512_fmadd_ps(xo, odd0, _mm512_fmadd_ps(xe, even0, acc[2 * r]));
+      acc[2 * r + 1] = _mm512_fmadd_ps(xo, odd1, _mm512_fmadd_ps(xe, even1, acc[2 * r + 1]));
+    }
+  }
+  store_tile<float>(acc, R, e.valid, e.bias, e.residual, e.ld, e.out);
+}
+
+// x's dtype, the weights' dtype, R rows: float32 against float32, bfloat16 against bfloat16,
+// float32 against bfloat16 widened.
+template <typename x_t, typename w_t, int R>
+inline void tile(const x_t* x, int64_t K, const w_t* w, const char* pf, const Epilogue<x_t>& e) {
+  if constexpr (std::is_same_v<w_t, float>)
     tile_f32<R>(x, K, w, pf, e);
+  else if constexpr (std::is_same_v<x_t, float>)
+    tile_widened<R>(x, K, w, pf, e);
   else
     tile_bf16<R>(x, K, w, pf, e);
 }
 
-template <typename scalar_t>
-void any_tile(int rows, const scalar_t* x, int64_t K, const scalar_t* w, const char* pf, const Epilogue<scalar_t>& e) {
+template <typename x_t, typename w_t>
+void any_tile(int rows, const x_t* x, int64_t K, const w_t* w, const char* pf, const Epilogue<x_t>& e) {
   switch (rows) {
-    case 1: return tile<scalar_t, 1>(x, K, w, pf, e);
-    case 2: return tile<scalar_t, 2>(x, K, w, pf, e);
-    case 3: return tile<scalar_t, 3>(x, K, w, pf, e);
-    case 4: return tile<scalar_t, 4>(x, K, w, pf, e);
-    case 5: return tile<scalar_t, 5>(x, K, w, pf, e);
-    case 6: return tile<scalar_t, 6>(x, K, w, pf, e);
-    case 7: return tile<scalar_t, 7>(x, K, w, pf, e);
-    case 8: return tile<scalar_t, 8>(x, K, w, pf, e);
-    case 9: return tile<scalar_t, 9>(x, K, w, pf, e);
-    case 10: return tile<scalar_t, 10>(x, K, w, pf, e);
-    case 11: return tile<scalar_t, 11>(x, K, w, pf, e);
-    default: return tile<scalar_t, kTile>(x, K, w, pf, e);
+    case 1: return tile<x_t, w_t, 1>(x, K, w, pf, e);
+    case 2: return tile<x_t, w_t, 2>(x, K, w, pf, e);
+    case 3: return tile<x_t, w_t, 3>(x, K, w, pf, e);
+    case 4: return tile<x_t, w_t, 4>(x, K, w, pf, e);
+    case 5: return tile<x_t, w_t, 5>(x, K, w, pf, e);
+    case 6: return tile<x_t, w_t, 6>(x, K, w, pf, e);
+    case 7: return tile<x_t, w_t, 7>(x, K, w, pf, e);
+    case 8: return tile<x_t, w_t, 8>(x, K, w, pf, e);
+    case 9: return tile<x_t, w_t, 9>(x, K, w, pf, e);
+    case 10: return tile<x_t, w_t, 10>(x, K, w, pf, e);
+    case 11: return tile<x_t, w_t, 11>(x, K, w, pf, e);
+    default: return tile<x_t, w_t, kTile>(x, K, w, pf, e);
   }
 }
 
 #elif defined(__AVX2__)
 // AVX2 and FMA (AMD Zen 1-3, Intel before Skylake-SP): 16 registers of 8 lanes, so blocks of 16
 // columns and tiles of 6 rows (12 accumulators, two weight vectors, a broadcast); float32 only (a
-// half-precision model multiplies in float32 on these CPUs: kernels/linear.py).
+// half-precision model multiplies in float32 on these CPUs: kernels/linear.py). bfloat16 weights
+// widened in registers, as the AVX-512 path's tile_widened, were tried here and not kept: with
+// this build taking every product, the two more registers they need cost prompt steps more than
+// decode steps gain (the AVX2 build on an Intel Ice Lake, bench/linear_rows.py: one row 1.3-2x
+// faster, 16 rows level, 48-512 rows 1.1-1.25x slower; not measured on an AVX2-only CPU).
 constexpr int64_t kCols = 16;
 constexpr int64_t kTile = 6;
 
@@ -203,29 +246,37 @@ inline void tile_f32(const float* x, int64_t K, const float* w, const char* pf, 
   store_tile(acc, R, e);
 }
 
-template <typename scalar_t>
-void any_tile(int rows, const scalar_t* x, int64_t K, const scalar_t* w, const char* pf, const Epilogue<scalar_t>& e) {
+template <typename x_t, typename w_t, int R>
+inline void tile(const x_t* x, int64_t K, const w_t* w, const char* pf, const Epilogue<x_t>& e) {
+  static_assert(std::is_same_v<w_t, float>, "float32 weights only in the AVX2 build");
+  tile_f32<R>(x, K, w, pf, e);
+}
+
+template <typename x_t, typename w_t>
+void any_tile(int rows, const x_t* x, int64_t K, const w_t* w, const char* pf, const Epilogue<x_t>& e) {
   switch (rows) {
-    case 1: return tile_f32<1>(x, K, w, pf, e);
-    case 2: return tile_f32<2>(x, K, w, pf, e);
-    case 3: return tile_f32<3>(x, K, w, pf, e);
-    case 4: return tile_f32<4>(x, K, w, pf, e);
-    case 5: return tile_f32<5>(x, K, w, pf, e);
-    default: return tile_f32<kTile>(x, K, w, pf, e);
+    case 1: return tile<x_t, w_t, 1>(x, K, w, pf, e);
+    case 2: return tile<x_t, w_t, 2>(x, K, w, pf, e);
+    case 3: return tile<x_t, w_t, 3>(x, K, w, pf, e);
+    case 4: return tile<x_t, w_t, 4>(x, K, w, pf, e);
+    case 5: return tile<x_t, w_t, 5>(x, K, w, pf, e);
+    default: return tile<x_t, w_t, kTile>(x, K, w, pf, e);
   }
 }
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-template <typename scalar_t>
+// x, the residual and the output in x_t, the packed weights in w_t (x_t, or bfloat16 widened for
+// float32 rows).
+template <typename x_t, typename w_t>
 void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* bias,
          const std::optional<at::Tensor>& residual, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
-  const int64_t block_elems = K * kCols;
-  const scalar_t* xs = x.data_ptr<scalar_t>();
-  const scalar_t* w = packed.data_ptr<scalar_t>();
-  const scalar_t* res = residual ? residual->data_ptr<scalar_t>() : nullptr;
-  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t block_elems = K * kCols;  // a block's values in either layout
+  const x_t* xs = x.data_ptr<x_t>();
+  const w_t* w = packed.data_ptr<w_t>();
+  const x_t* res = residual ? residual->data_ptr<x_t>() : nullptr;
+  x_t* o = out.data_ptr<x_t>();
   if (M == 0) return;
   // Work items are (block, chunk of rows): one chunk per block while there are enough blocks to
   // share among the threads, rows split too where there are not (few output columns, many rows).
@@ -244,7 +295,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* 
   kvmesh::parallel_claims(items, grain, [] { return NoScratch{}; }, [&](NoScratch, int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / chunks, m_begin = (i % chunks) * chunk_rows, m_end = std::min(M, m_begin + chunk_rows);
-      const scalar_t* wb = w + b * block_elems;
+      const w_t* wb = w + b * block_elems;
       const int64_t col = b * kCols, valid = std::min(kCols, n - col);
       // the block after next (when this claim holds it) is fetched during the block's first tile
       const bool first = m_begin == 0 || i == i0;
@@ -252,9 +303,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* 
       for (int64_t m0 = m_begin; m0 < m_end; m0 += kTile) {
         const int rows = static_cast<int>(std::min(kTile, m_end - m0));
         const char* pf = reinterpret_cast<const char*>(w + (m0 == m_begin ? ahead : b) * block_elems);
-        const Epilogue<scalar_t> e{valid, bias ? bias + col : nullptr, res ? res + m0 * n + col : nullptr, n,
+        const Epilogue<x_t> e{valid, bias ? bias + col : nullptr, res ? res + m0 * n + col : nullptr, n,
                                    o + m0 * n + col};
-        any_tile<scalar_t>(rows, xs + m0 * K, K, wb, pf, e);
+        any_tile<x_t, w_t>(rows, xs + m0 * K, K, wb, pf, e);
       }
     }
   });
@@ -394,9 +445,11 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
                         const std::optional<at::Tensor>& residual) {
 #if defined(__AVX512F__) || defined(__AVX2__)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "small_linear: x must be a contiguous [rows, in_features] matrix");
-  TORCH_CHECK(packed.dim() >= 3 && packed.is_contiguous() && packed.scalar_type() == x.scalar_type(),
-              "small_linear: packed must be small_linear's layout of a weight in x's dtype");
+  const bool widened = x.scalar_type() == at::kFloat && packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.dim() >= 3 && packed.is_contiguous() && (packed.scalar_type() == x.scalar_type() || widened),
+              "small_linear: packed must be small_linear's layout of a weight in x's dtype (or bfloat16 for float32 x)");
   const int64_t K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(!widened || K % 2 == 0, "small_linear: a bfloat16 weight needs an even number of in_features, x has ", K);
   TORCH_CHECK(packed.numel() == blocks * K * kCols, "small_linear: packed weight is for ", packed.numel() / (blocks * kCols),
               " in_features, x has ", K);
   TORCH_CHECK(n > (blocks - 1) * kCols && n <= blocks * kCols, "small_linear: ", n, " out_features for ", blocks,
@@ -412,8 +465,14 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
                 "small_linear: residual must be a contiguous [rows, out_features] matrix in x's dtype");
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   const float* bp = bias ? b32.data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kFloat) {
-    run<float>(x, packed, n, bp, residual, out);
+  if (widened) {
+#if defined(__AVX512F__)
+    run<float, at::BFloat16>(x, packed, n, bp, residual, out);
+#else
+    TORCH_CHECK(false, "small_linear: float32 weights only in an AVX2 build");
+#endif
+  } else if (x.scalar_type() == at::kFloat) {
+    run<float, float>(x, packed, n, bp, residual, out);
   } else {
 #if defined(__AVX512F__)
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && K % 2 == 0,
@@ -421,9 +480,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
     if (K % 32 == 0 && amx_ready())  // every row count, so a row's result is the same bits beside any others
       run_amx(x, packed, n, bp, residual, out);
     else
-      run<at::BFloat16>(x, packed, n, bp, residual, out);
+      run<at::BFloat16, at::BFloat16>(x, packed, n, bp, residual, out);
 #else
-    TORCH_CHECK(false, "small_linear: float32 only in an AVX2 build");
+    TORCH_CHECK(false, "small_linear: float32 rows only in an AVX2 build");
 #endif
   }
   return out;

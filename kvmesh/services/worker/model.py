@@ -7,7 +7,9 @@ products; logits are computed only for the rows that are sampled. A half-precisi
 without a fast kernel for its dtype (none in oneDNN, or bfloat16 without AVX512-BF16 or AMX)
 multiplies in float32 (`kernels.linear.half_linear_dtype`). On an AVX-512 or AVX2 CPU the
 matrices are also kept in the layout of kvmesh's few-rows kernel, which takes decode steps' products
-(`kernels.linear.small_rows_limit`) at the memory's speed where oneDNN's read the weights more slowly.
+(`kernels.linear.small_rows_limit`) at the memory's speed where oneDNN's read the weights more slowly
+(from bfloat16 as stored where a bfloat16 model multiplies in float32 on an AVX-512 CPU:
+`kernels.linear.small_rows_layout`).
 
 On the CPU, a step of more rows than fit the last-level cache runs each layer's MLP in blocks of
 rows (`mlp_block_rows`): the gate|up product's output of a 2,048-token float32 step of the
@@ -37,7 +39,14 @@ import torch.nn.functional as F
 
 from kvmesh.kernels import native
 from kvmesh.kernels.attention import SequenceSlice, plan_attention, write_kv
-from kvmesh.kernels.linear import PackedLinear, half_linear_dtype, onednn_rows, small_rows_copies, small_rows_only
+from kvmesh.kernels.linear import (
+    PackedLinear,
+    half_linear_dtype,
+    onednn_rows,
+    small_rows_copies,
+    small_rows_layout,
+    small_rows_only,
+)
 from kvmesh.services.worker.checkpoint import DTYPES, ModelConfig, load_config, load_weights, rope_inv_freq
 
 
@@ -109,9 +118,12 @@ class CausalLM:
         # the dtype of the matrix products: the model's, or float32 on a CPU with no fast kernel for its dtype
         self.linear_dtype = half_linear_dtype(dtype, self.device, self._matrix_params() * _itemsize(dtype))
         # the matrices in the few-rows kernel's layout where it runs: a second copy for decode steps
-        # where it fits (AVX-512), the only one where that kernel takes every product (AVX2)
-        self.small_rows = small_rows_copies(self.linear_dtype, self.device,
-                                            self._matrix_params() * _itemsize(self.linear_dtype))
+        # where it fits (AVX-512), the only one where that kernel takes every product (AVX2); in the
+        # model's bfloat16 where its products run in float32 (the kernel widens it: half the bytes)
+        self.small_layout = small_rows_layout(dtype, self.linear_dtype, self.device)
+        params = self._matrix_params()
+        self.small_rows = small_rows_copies(self.small_layout, params * _itemsize(self.linear_dtype),
+                                            params * _itemsize(self.small_layout) if self.small_layout else 0)
         self.lm_head = self._linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         # kvmesh's fused RMSNorm, rotary and SiLU-mul on the CPU (torch's operators elsewhere);
@@ -150,11 +162,13 @@ class CausalLM:
 
     def weight_bytes(self) -> int:
         """Bytes of weights the model holds (packed CPU weights count at their dense size): the
-        matrices in the dtype they are multiplied in (twice with the few-rows kernel's second copy), the
-        embedding table in the model's; a tied LM head counts once unless it is kept in another
-        dtype than the table."""
-        copies = 2 if self.small_rows and not small_rows_only() else 1
-        matrices = self._matrix_params() * _itemsize(self.linear_dtype) * copies
+        matrices in the dtype they are multiplied in (oneDNN's copy, unless the few-rows kernel's
+        layout replaces it) and in the few-rows layout's (`small_layout`), the embedding table in
+        the model's; a tied LM head counts once unless it is kept in another dtype than the table."""
+        params = self._matrix_params()
+        layout = params * _itemsize(self.small_layout) if self.small_rows else 0
+        onednn = 0 if self.small_rows and small_rows_only() else params * _itemsize(self.linear_dtype)
+        matrices = onednn + layout
         embeddings = self.cfg.vocab_size * self.cfg.hidden_size * _itemsize(self.dtype)
         if self.cfg.tie_word_embeddings and self.linear_dtype == self.dtype:
             return matrices
