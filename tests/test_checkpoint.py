@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvmesh.engine import EngineConfig, LLMEngine
-from kvmesh.kernels.linear import native_half_products, small_rows_layout, small_rows_only
+from kvmesh.kernels.linear import native_half_products, small_rows_layout, small_rows_only, small_rows_widens
 from kvmesh.params import SamplingParams, StoppingParams
 from kvmesh.services.worker.checkpoint import CheckpointError, load_config
 from kvmesh.services.worker.model import CausalLM
@@ -100,6 +100,38 @@ def test_half_precision_checkpoints_load_in_their_dtype(tmp_path, dtype):
     assert layout in (None, model.linear_dtype) or (layout == model.dtype == torch.bfloat16 and not own)
     if model.small_rows:
         assert model.lm_head.small.dtype == layout
-    onednn = 0 if model.small_rows and small_rows_only() else matrices * (2 if own else 4)  # none where it replaces oneDNN's
+    assert model.small_only == (model.small_rows and small_rows_only())  # the tiny model's copies fit
+    onednn = 0 if model.small_only else matrices * (2 if own else 4)  # none where the layout replaces oneDNN's
     kernel = matrices * layout.itemsize if model.small_rows else 0
     assert model.weight_bytes() == onednn + kernel + table
+
+
+def test_a_bfloat16_model_with_no_room_for_float32_copies_multiplies_from_its_own_weights(tmp_path, monkeypatch):
+    """On a CPU that multiplies bfloat16 in float32 and whose few-rows kernel widens it (AVX-512
+    without AVX512-BF16 or AMX), a model whose float32 copies do not fit in half of the memory keeps
+    only its bfloat16 weights, in that kernel's layout, which takes every product: the worker plans
+    for the checkpoint's bytes, and greedy output is the roomy model's (the same products in
+    float32; a prompt's sums in the kernel's order instead of oneDNN's)."""
+    from kvmesh.kernels import linear as linear_module
+    from kvmesh.modelgen import SIZES, make_model
+
+    if not small_rows_widens(torch.bfloat16, torch.device("cpu")) or native_half_products(torch.bfloat16):
+        pytest.skip("this CPU multiplies bfloat16 as stored, or its few-rows kernel does not widen it (AVX-512 only)")
+    model_dir = make_model(tmp_path, "llama", dtype="bfloat16", **SIZES["tiny"])
+    roomy = CausalLM.load(model_dir)
+    monkeypatch.setattr(linear_module, "_memory_available", lambda available: 1 if available is None else available)
+    tight = CausalLM.load(model_dir)
+    assert roomy.linear_dtype == tight.linear_dtype == torch.float32
+    assert roomy.small_rows and not roomy.small_only and roomy.lm_head.packed is not None
+    assert tight.small_only and tight.small_layout == torch.bfloat16
+    for product in [tight.lm_head] + [p for layer in tight.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+        assert product.small.dtype == torch.bfloat16 and product.packed is None and product.weight is None
+    cfg = tight.cfg
+    matrices = tight._matrix_params()
+    table = cfg.vocab_size * cfg.hidden_size * 2
+    assert tight.weight_bytes() == matrices * 2 + table
+    assert roomy.weight_bytes() == matrices * (4 + 2) + table
+    stop = StoppingParams(max_new_tokens=8, ignore_eos=True)
+    outputs = [LLMEngine(EngineConfig(num_pages=16), model=m).generate([PROMPT], GREEDY, stop)[0].token_ids
+               for m in (roomy, tight)]
+    assert len(outputs[0]) == 8 and outputs[0] == outputs[1]

@@ -86,5 +86,6 @@ def test_the_kv_pool_lives_on_the_models_device_and_weights_are_counted(hf_check
     # 2 layers of hidden 64 (q 64, k and v 32 each, o 64x64, MLP 3 x 64x128) and two 512x64 embeddings;
     # the matrices (the LM head one of them) twice where the few-rows kernel keeps a copy beside oneDNN's.
     matrices, table = 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128) + 512 * 64, 512 * 64
-    assert model.weight_bytes() == 4 * (matrices * (2 if model.small_rows and not small_rows_only() else 1) + table)
+    assert model.small_only == (model.small_rows and small_rows_only())
+    assert model.weight_bytes() == 4 * (matrices * (2 if model.small_rows and not model.small_only else 1) + table)
     assert KVPool.pages_for_budget(model, runner.pool.nbytes, 16) == 8

@@ -13,10 +13,10 @@ from kvmesh.kernels.linear import (
     native_half_products,
     onednn_multiplies,
     onednn_rows,
-    small_rows_copies,
     small_rows_dtype,
     small_rows_layout,
     small_rows_only,
+    small_rows_plan,
     small_rows_widens,
 )
 
@@ -146,8 +146,10 @@ def test_half_precision_multiplies_in_float32_only_where_the_cpu_has_no_fast_ker
     cpu, plenty, gib = torch.device("cpu"), 1 << 40, 1 << 30
     expected = dtype if native_half_products(dtype) else torch.float32
     assert half_linear_dtype(dtype, cpu, gib, available=plenty) == expected
-    # float32 copies of 1 GiB of weights need 2 GiB available: with less, the model keeps its dtype
-    assert half_linear_dtype(dtype, cpu, gib, available=2 * gib - 1) == dtype
+    # float32 copies of 1 GiB of weights need 2 GiB available: with less, the model keeps its dtype,
+    # except where the few-rows kernel widens the weights as stored (it then needs no float32 copy)
+    short = torch.float32 if small_rows_widens(dtype, cpu) and not native_half_products(dtype) else dtype
+    assert half_linear_dtype(dtype, cpu, gib, available=2 * gib - 1) == short
     assert half_linear_dtype(torch.float32, cpu, gib, available=plenty) == torch.float32
     assert half_linear_dtype(dtype, torch.device("cuda"), gib, available=plenty) == dtype
 
@@ -350,6 +352,28 @@ def test_widened_bfloat16_weights_give_the_float32_kernels_bits(shape, with_bias
         op(odd, linear_module._small_pack(torch.randn(4, 34).to(torch.bfloat16)), 4, None, None)
 
 
+def test_a_layer_whose_widened_weights_carry_every_product_keeps_no_float32_copy():
+    """Where no float32 copy fits (`small_rows_plan` "only"), a bfloat16 layer that multiplies in
+    float32 keeps its weights as stored, in the few-rows layout, and that layout takes every
+    product, prompt-sized and batched ones too: the float32 few-rows layout's bits, rounded to
+    bfloat16, and within bfloat16's rounding of float64."""
+    if not small_rows_widens(torch.bfloat16, CPU):
+        pytest.skip("the few-rows kernel widens bfloat16 weights in the AVX-512 build only")
+    weight, bias, _ = make_case(130, 258, 1, torch.bfloat16, with_bias=True)
+    layer = PackedLinear(weight, bias, compute_dtype=torch.float32, small_rows=True, small_only=True)
+    assert layer.small.dtype == torch.bfloat16 and layer.packed is None and layer.weight is None
+    assert layer.small_limit == sys.maxsize
+    plain = PackedLinear(weight.float(), bias.float(), small_rows=True, small_only=True)
+    for rows in (1, 48, 49, 300):
+        x = make_case(130, 258, rows, torch.bfloat16, with_bias=True, seed=rows)[2]
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, plain(x.float()).to(torch.bfloat16))
+        torch.testing.assert_close(y.double(), rounded(float64_linear(x, weight, bias), torch.bfloat16),
+                                   atol=1e-6, rtol=2.0**-7)
+    three = make_case(130, 258, 64, torch.bfloat16, with_bias=True)[2]
+    assert torch.equal(layer(three.view(4, 16, 258)), layer(three).view(4, 16, 130))
+
+
 def test_the_few_rows_kernel_is_where_the_cpu_has_it_and_its_copy_where_memory_allows():
     """float32 in the AVX-512 and AVX2 builds, bfloat16 in the AVX-512 build on a CPU with AVX512-BF16."""
     flags = cpu_flags()
@@ -366,14 +390,17 @@ def test_the_few_rows_kernel_is_where_the_cpu_has_it_and_its_copy_where_memory_a
     assert small_rows_only() == (built and linear_module.native.small_linear_columns() == 16)  # the AVX2 build
     gib = 1 << 30
     # a second copy beside oneDNN's where both fit in half of the memory; the only copy needs no room
-    layout = small_rows_layout(torch.float32, torch.float32, CPU)
-    assert layout == (torch.float32 if built else None)
-    assert small_rows_copies(layout, gib, gib, available=4 * gib) == built
-    assert small_rows_copies(layout, gib, gib, available=4 * gib - 1) == small_rows_only()
-    # a bfloat16 layout beside float32 products' copy (widened: the AVX-512 build) is half the size
-    assert small_rows_copies(torch.bfloat16, 2 * gib, gib, available=6 * gib)
-    assert small_rows_copies(torch.bfloat16, 2 * gib, gib, available=6 * gib - 1) == small_rows_only()
-    assert not small_rows_copies(None, gib, 0, available=1 << 50)
+    f32 = torch.float32
+    layout = small_rows_layout(f32, f32, CPU)
+    assert layout == (f32 if built else None)
+    only = "only" if small_rows_only() else None
+    assert small_rows_plan(layout, f32, gib, gib, available=4 * gib) == (only or "beside" if built else "none")
+    assert small_rows_plan(layout, f32, gib, gib, available=4 * gib - 1) == (only or "none")
+    assert small_rows_plan(None, f32, gib, 0, available=1 << 50) == "none"
+    # a bfloat16 layout widened for float32 products (the AVX-512 build): beside the float32 copy
+    # where both fit, alone where they do not (the weights as stored carry every product)
+    assert small_rows_plan(torch.bfloat16, f32, 2 * gib, gib, available=6 * gib) == (only or "beside")
+    assert small_rows_plan(torch.bfloat16, f32, 2 * gib, gib, available=6 * gib - 1) == "only"
     # without the copy a layer is as before: oneDNN's packed weight only
     weight, _, _ = make_case(48, 34, 1, torch.float32, with_bias=False)
     assert PackedLinear(weight).small is None

@@ -123,11 +123,16 @@ def half_linear_dtype(dtype: torch.dtype, device: torch.device, weight_bytes: in
     """The dtype a model of `dtype` with `weight_bytes` of matrix weights multiplies them in on
     `device`: float32 for a half-precision model on a CPU that has no fast kernel for its dtype
     (`native_half_products`; see the module's docstring) when the float32 copies (`weight_bytes`
-    more) fit in half of the memory available (`available`, default the system's); its own dtype
-    otherwise."""
+    more) fit in half of the memory available (`available`, default the system's), or where the
+    few-rows kernel widens the weights as stored (`small_rows_widens`: `small_rows_plan` then keeps
+    no float32 copy where none fits); its own dtype otherwise."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or native_half_products(dtype):
         return dtype
     name = str(dtype).removeprefix("torch.")
+    if small_rows_widens(dtype, device):
+        log.info("this CPU has no fast oneDNN kernel for %s: its matrix products run in float32, decode steps' "
+                 "(or every one where no float32 copy fits) from the %s weights as stored", name, name)
+        return torch.float32
     available = _memory_available(available)
     if 2 * weight_bytes > available:
         log.warning("this CPU has no fast oneDNN kernel for %s, whose matrix products then run several times slower "
@@ -192,22 +197,32 @@ def small_rows_only() -> bool:
     return native.small_linear() is not None and SMALL_ROWS[native.small_linear_columns()] is None
 
 
-def small_rows_copies(layout: torch.dtype | None, weight_bytes: int, layout_bytes: int,
-                      available: int | None = None) -> bool:
-    """Whether a model's layers keep their weights in the few-rows kernel's layout: where it has one
-    (`layout`, `small_rows_layout`), and, where that layout is a second copy (`layout_bytes`) beside
-    oneDNN's (`weight_bytes`; `small_rows_only` false), when both fit in half of the memory available
-    (`available`, default the system's)."""
+def small_rows_plan(layout: torch.dtype | None, linear_dtype: torch.dtype, weight_bytes: int, layout_bytes: int,
+                    available: int | None = None) -> str:
+    """How a model's layers hold the few-rows kernel's layout (`layout`, `small_rows_layout`) of
+    weights multiplied in `linear_dtype`: "only" where it takes every product, with no other copy
+    (this build: `small_rows_only`); "beside" where it takes decode steps' products beside oneDNN's
+    copy (`weight_bytes`) and both fit in half of the memory available (`available`, default the
+    system's); "none" where there is no layout or the second copy does not fit. A layout widened
+    to float32 from the model's own bfloat16 (`small_rows_widens`) takes every product where the
+    float32 copy does not fit beside it ("only"): the weights as stored, at about float32's speed
+    (where oneDNN's bfloat16 kernels would multiply 3-4.7x slower than float32, the module's
+    docstring), where a model of several GiB gets no float32 copy."""
     if layout is None:
-        return False
+        return "none"
     if small_rows_only():
-        return True
+        return "only"
     available = _memory_available(available)
-    if 2 * (weight_bytes + layout_bytes) > available:
-        log.info("decode steps' matrix products stay in oneDNN: a second copy of the weights for the few-rows "
-                 "kernel (%d MiB) does not fit in half of the %d MiB available", layout_bytes >> 20, available >> 20)
-        return False
-    return True
+    if 2 * (weight_bytes + layout_bytes) <= available:
+        return "beside"
+    if layout != linear_dtype:  # widened from the stored weights: they carry every product
+        log.info("matrix products run in float32 from the %s weights as stored (the few-rows kernel widens them): "
+                 "a float32 copy (%d MiB) beside them does not fit in half of the %d MiB available",
+                 str(layout).removeprefix("torch."), weight_bytes >> 20, available >> 20)
+        return "only"
+    log.info("decode steps' matrix products stay in oneDNN: a second copy of the weights for the few-rows "
+             "kernel (%d MiB) does not fit in half of the %d MiB available", layout_bytes >> 20, available >> 20)
+    return "none"
 
 
 def _small_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -236,28 +251,33 @@ class PackedLinear:
     With `compute_dtype` (float32 for a half-precision weight, `half_linear_dtype`), the weight and
     bias are kept in that dtype, each input is converted to it, and the product is rounded back to the
     input's dtype before the residual is added (two roundings, as transformers' `residual + proj(x)`).
-    With `small_rows` (`small_rows_copies`), the weight in the few-rows kernel's layout takes products
+    With `small_rows` (`small_rows_plan`), the weight in the few-rows kernel's layout takes products
     of up to `small_limit` rows (decode steps; `small_rows_limit`), beside oneDNN's copy, or every product
     with no other copy where that build is the faster at every row count (`small_rows_only`); that
     layout keeps a bfloat16 weight as stored where its products run in float32 and the kernel widens
-    it (`small_rows_layout`)."""
+    it (`small_rows_layout`); with `small_only` too (`small_rows_plan`), that layout takes every
+    product and the layer keeps no other copy."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 compute_dtype: torch.dtype | None = None, small_rows: bool = False):
+                 compute_dtype: torch.dtype | None = None, small_rows: bool = False, small_only: bool = False):
         self.out_features, self.in_features = weight.shape
         stored = weight
         self.compute_dtype = compute_dtype if compute_dtype not in (None, weight.dtype) else None
+        self.dtype = self.compute_dtype or weight.dtype  # the products'
         if self.compute_dtype is not None:
-            weight = weight.to(self.compute_dtype)
             bias = None if bias is None else bias.to(self.compute_dtype)
         self.bias = bias
-        self.dtype = weight.dtype  # the products'
         self.small, self.small_limit = None, 0
-        layout = small_rows_layout(stored.dtype, weight.dtype, weight.device) if small_rows else None
-        if layout is not None and (layout == torch.float32 or self.in_features % 2 == 0):
-            # bfloat16 pairs in the layout's dtype: stored as loaded where the kernel widens them
+        layout = small_rows_layout(stored.dtype, self.dtype, weight.device) if small_rows or small_only else None
+        if layout is not None and layout != torch.float32 and self.in_features % 2:
+            layout = None  # bfloat16 pairs inputs
+        if layout is not None:
+            self.small_limit = sys.maxsize if small_only else small_rows_limit(self.dtype)
+        # the weight in the products' dtype, where oneDNN's copy or the few-rows layout is in it
+        if self.compute_dtype is not None and (self.small_limit < sys.maxsize or layout == self.compute_dtype):
+            weight = weight.to(self.compute_dtype)
+        if layout is not None:  # stored as loaded where the kernel widens it
             self.small = _small_pack((stored if layout == stored.dtype else weight).contiguous())
-            self.small_limit = small_rows_limit(weight.dtype)
         self.packed = self.weight = None
         if self.small_limit < sys.maxsize:
             self.packed = _pack(weight) if pack else None

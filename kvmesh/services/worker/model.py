@@ -43,9 +43,8 @@ from kvmesh.kernels.linear import (
     PackedLinear,
     half_linear_dtype,
     onednn_rows,
-    small_rows_copies,
     small_rows_layout,
-    small_rows_only,
+    small_rows_plan,
 )
 from kvmesh.services.worker.checkpoint import DTYPES, ModelConfig, load_config, load_weights, rope_inv_freq
 
@@ -120,10 +119,12 @@ class CausalLM:
         # the matrices in the few-rows kernel's layout where it runs: a second copy for decode steps
         # where it fits (AVX-512), the only one where that kernel takes every product (AVX2); in the
         # model's bfloat16 where its products run in float32 (the kernel widens it: half the bytes)
+        # (and where no float32 copy fits beside it, that layout takes every product: `small_only`)
         self.small_layout = small_rows_layout(dtype, self.linear_dtype, self.device)
         params = self._matrix_params()
-        self.small_rows = small_rows_copies(self.small_layout, params * _itemsize(self.linear_dtype),
-                                            params * _itemsize(self.small_layout) if self.small_layout else 0)
+        plan = small_rows_plan(self.small_layout, self.linear_dtype, params * _itemsize(self.linear_dtype),
+                               params * _itemsize(self.small_layout) if self.small_layout else 0)
+        self.small_rows, self.small_only = plan != "none", plan == "only"
         self.lm_head = self._linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         # kvmesh's fused RMSNorm, rotary and SiLU-mul on the CPU (torch's operators elsewhere);
@@ -167,7 +168,7 @@ class CausalLM:
         the model's; a tied LM head counts once unless it is kept in another dtype than the table."""
         params = self._matrix_params()
         layout = params * _itemsize(self.small_layout) if self.small_rows else 0
-        onednn = 0 if self.small_rows and small_rows_only() else params * _itemsize(self.linear_dtype)
+        onednn = 0 if self.small_only else params * _itemsize(self.linear_dtype)
         matrices = onednn + layout
         embeddings = self.cfg.vocab_size * self.cfg.hidden_size * _itemsize(self.dtype)
         if self.cfg.tie_word_embeddings and self.linear_dtype == self.dtype:
@@ -175,7 +176,8 @@ class CausalLM:
         return matrices + embeddings
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-        return PackedLinear(weight, bias, compute_dtype=self.linear_dtype, small_rows=self.small_rows)
+        return PackedLinear(weight, bias, compute_dtype=self.linear_dtype, small_rows=self.small_rows,
+                            small_only=self.small_only)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
