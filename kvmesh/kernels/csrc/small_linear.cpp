@@ -42,6 +42,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 
@@ -183,24 +184,6 @@ inline void tile(const x_t* x, int64_t K, const w_t* w, const char* pf, const Ep
     tile_bf16<R>(x, K, w, pf, e);
 }
 
-template <typename x_t, typename w_t>
-void any_tile(int rows, const x_t* x, int64_t K, const w_t* w, const char* pf, const Epilogue<x_t>& e) {
-  switch (rows) {
-    case 1: return tile<x_t, w_t, 1>(x, K, w, pf, e);
-    case 2: return tile<x_t, w_t, 2>(x, K, w, pf, e);
-    case 3: return tile<x_t, w_t, 3>(x, K, w, pf, e);
-    case 4: return tile<x_t, w_t, 4>(x, K, w, pf, e);
-    case 5: return tile<x_t, w_t, 5>(x, K, w, pf, e);
-    case 6: return tile<x_t, w_t, 6>(x, K, w, pf, e);
-    case 7: return tile<x_t, w_t, 7>(x, K, w, pf, e);
-    case 8: return tile<x_t, w_t, 8>(x, K, w, pf, e);
-    case 9: return tile<x_t, w_t, 9>(x, K, w, pf, e);
-    case 10: return tile<x_t, w_t, 10>(x, K, w, pf, e);
-    case 11: return tile<x_t, w_t, 11>(x, K, w, pf, e);
-    default: return tile<x_t, w_t, kTile>(x, K, w, pf, e);
-  }
-}
-
 #elif defined(__AVX2__)
 // AVX2 and FMA (AMD Zen 1-3, Intel before Skylake-SP): 16 registers of 8 lanes, so blocks of 16
 // columns and tiles of 6 rows (12 accumulators, two weight vectors, a broadcast); float32 only (a
@@ -251,21 +234,21 @@ inline void tile(const x_t* x, int64_t K, const w_t* w, const char* pf, const Ep
   static_assert(std::is_same_v<w_t, float>, "float32 weights only in the AVX2 build");
   tile_f32<R>(x, K, w, pf, e);
 }
-
-template <typename x_t, typename w_t>
-void any_tile(int rows, const x_t* x, int64_t K, const w_t* w, const char* pf, const Epilogue<x_t>& e) {
-  switch (rows) {
-    case 1: return tile<x_t, w_t, 1>(x, K, w, pf, e);
-    case 2: return tile<x_t, w_t, 2>(x, K, w, pf, e);
-    case 3: return tile<x_t, w_t, 3>(x, K, w, pf, e);
-    case 4: return tile<x_t, w_t, 4>(x, K, w, pf, e);
-    case 5: return tile<x_t, w_t, 5>(x, K, w, pf, e);
-    default: return tile<x_t, w_t, kTile>(x, K, w, pf, e);
-  }
-}
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
+// A tile of `rows` rows (1..kTile), its row count fixed at compile time: one instance per count.
+template <typename x_t, typename w_t, int... R>
+inline void tile_of(std::integer_sequence<int, R...>, int rows, const x_t* x, int64_t K, const w_t* w, const char* pf,
+                    const Epilogue<x_t>& e) {
+  ((rows == R + 1 && (tile<x_t, w_t, R + 1>(x, K, w, pf, e), true)) || ...);
+}
+
+template <typename x_t, typename w_t>
+void any_tile(int rows, const x_t* x, int64_t K, const w_t* w, const char* pf, const Epilogue<x_t>& e) {
+  tile_of<x_t, w_t>(std::make_integer_sequence<int, kTile>{}, rows, x, K, w, pf, e);
+}
+
 // x, the residual and the output in x_t, the packed weights in w_t (x_t, or bfloat16 widened for
 // float32 rows).
 template <typename x_t, typename w_t>
