@@ -4,6 +4,7 @@ and through the in-process engine, both on one worker with the same settings.
     python bench/mesh_overhead.py                 # bench-125m, 32 concurrent streams
     python bench/mesh_overhead.py --model DIR --concurrency 32 --output-len 128
     python bench/mesh_overhead.py --scheduler-arg=--overlap-steps --scheduler-arg=on   # or off, auto
+    python bench/mesh_overhead.py --concurrency 1 --dtype bfloat16   # one stream, bfloat16 weights
 
 Alternates a mesh pass and an in-process pass (after one warm-up pass of each) and prints
 the medians, their ratio, and the scheduler's per-step time split
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--kv-memory-mib", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="measured passes of each (after one warm-up pass)")
+    ap.add_argument("--dtype", default="", help="both sides' model dtype (default: the checkpoint's, float32)")
     ap.add_argument("--scheduler-arg", action="append", default=[], help="passed to the mesh's scheduler (repeat for each word)")
     args = ap.parse_args()
     from kvmesh.modelgen import bench_model_dir
@@ -75,9 +77,10 @@ def main() -> None:
 
     from kvmesh.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=model_dir, kv_memory_bytes=args.kv_memory_mib << 20))
+    engine = LLMEngine(EngineConfig(model=model_dir, kv_memory_bytes=args.kv_memory_mib << 20, dtype=args.dtype or None))
     port = free_port()
-    children, redis_proc, redis_url = launch(model_dir, 1, None, port, extra_worker=["--kv-memory-mib", str(args.kv_memory_mib)],
+    dtype = ["--dtype", args.dtype] if args.dtype else []
+    children, redis_proc, redis_url = launch(model_dir, 1, None, port, extra_worker=["--kv-memory-mib", str(args.kv_memory_mib), *dtype],
                                           extra_scheduler=args.scheduler_arg)
     mesh_runs, engine_runs = [], []
     try:
