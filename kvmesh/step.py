@@ -83,3 +83,4 @@ class StepResult:
     # reports them; the scheduler's view of the tier follows). See services/worker/page_store.py.
     tier_stored: list[bytes] = field(default_factory=list)
     tier_evicted: list[bytes] = field(default_factory=list)
+    spare_cores: int = 0  # cores the step's thread team left to the rest of the host (worker.proto)

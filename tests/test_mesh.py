@@ -131,7 +131,12 @@ def test_streams_ending_on_a_stop_token_mid_stream_end_there_exactly(mesh, model
     with urllib.request.urlopen(f"http://{mesh.child('scheduler').http}/metrics", timeout=10) as response:
         metrics = text_string_to_metric_families(response.read().decode())
     ahead = sum(s.value for f in metrics if f.name == "kvmesh_steps_planned_ahead" for s in f.samples if s.name.endswith("_total"))
-    assert (ahead > 0) == (mesh.overlap == "on"), ahead  # auto: off for these CPU workers
+    if mesh.overlap == "on":
+        assert ahead > 0
+    else:  # auto: these CPU workers' steps are overlapped only once one's thread tuner leaves a core, which the scheduler logs
+        with open(mesh.child("scheduler").log_path) as log:
+            followed = "steps overlapped (its step leaves" in log.read()
+        assert followed or ahead == 0, ahead
 
 
 @pytest.mark.parametrize("request_kwargs, field", [

@@ -210,3 +210,41 @@ def test_a_team_changed_between_steps_leaves_every_token_and_logprob_as_it_was(h
     assert steps > 12 and changing == fixed
     for prompt, (tokens, logprobs) in zip(prompts, changing):
         assert assert_matches_reference(tokens, logprobs, hf_greedy(model_dir, prompt, 12)) > 0
+
+
+def test_a_worker_reports_the_cores_its_tuned_team_leaves_and_none_for_a_set_team(hf_checkpoint):
+    """What a scheduler with overlap_steps auto follows: a CPU worker's step results carry the cores
+    its thread tuner's current team leaves free (not a trial's team: overlap would flip with every
+    window), and none where --threads set the team (other workers may run on the host's other
+    cores)."""
+    from kvmesh.params import SamplingParams
+    from kvmesh.services.worker.model import CausalLM
+    from kvmesh.services.worker.runner import ModelRunner
+    from kvmesh.services.worker.server import WorkerService
+    from kvmesh.services.worker.team import _Window
+    from kvmesh.step import NewSequence, ScheduledChunk, StepPlan
+
+    service = WorkerService()
+    service.runner = ModelRunner(CausalLM.load(hf_checkpoint("llama")), num_pages=8)
+    service.cores = 2
+    ids = [5, 9, 31, 7, 77, 12]
+    kept = torch.get_num_threads()
+    reports, tokens = [], []
+    try:
+        plan = StepPlan(new=[NewSequence("a", ids, len(ids), SamplingParams(temperature=0.0), [0, 1])],
+                        scheduled=[ScheduledChunk("a", len(ids))])
+        for tuner in (None, TeamTuner(2), TeamTuner(2), TeamTuner(2)):
+            service.team = tuner
+            if tuner is not None and len(reports) >= 2:
+                tuner.current, tuner.other = 1, 2  # the tuner moved to one thread
+            if tuner is not None and len(reports) == 3:
+                tuner.trial = [_Window()]  # a trial's first window: its steps run on the other team, two threads
+                assert tuner.team() == 2
+            result, _, _ = service._step(plan)
+            reports.append(result.spare_cores)
+            tokens.append([t.token_id for t in result.tokens])
+            plan = StepPlan(scheduled=[ScheduledChunk("a", 1)])
+    finally:
+        torch.set_num_threads(kept)
+    assert reports == [0, 0, 1, 1]
+    assert all(len(t) == 1 for t in tokens)

@@ -96,7 +96,8 @@ def plan_from_proto(m: wk.StepRequest) -> StepPlan:
 
 def result_to_proto(step: int, r: StepResult) -> wk.StepResult:
     m = wk.StepResult(step=step, forward_ms=r.forward_s * 1000, failed=list(r.failed),
-                      failure_reasons=list(r.failed.values()), tier_stored=r.tier_stored, tier_evicted=r.tier_evicted)
+                      failure_reasons=list(r.failed.values()), tier_stored=r.tier_stored, tier_evicted=r.tier_evicted,
+                      spare_cores=r.spare_cores)
     add = m.tokens.add
     for t in r.tokens:
         if not t.top_ids and t.prompt is None:
@@ -110,7 +111,7 @@ def result_to_proto(step: int, r: StepResult) -> wk.StepResult:
 def result_from_proto(m: wk.StepResult) -> StepResult:
     reasons = list(m.failure_reasons) + [""] * (len(m.failed) - len(m.failure_reasons))
     return StepResult([_sampled_from_proto(t) for t in m.tokens], m.forward_ms / 1000, dict(zip(m.failed, reasons)),
-                      list(m.tier_stored), list(m.tier_evicted))
+                      list(m.tier_stored), list(m.tier_evicted), m.spare_cores)
 
 
 def _sampled_from_proto(t: wk.SampledToken) -> SampledToken:

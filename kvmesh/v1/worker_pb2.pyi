@@ -74,7 +74,7 @@ class LogprobsOfPrompt(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "tokens", "forward_ms", "error", "failed", "failure_reasons", "tier_stored", "tier_evicted")
+    __slots__ = ("step", "tokens", "forward_ms", "error", "failed", "failure_reasons", "tier_stored", "tier_evicted", "spare_cores")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class StepResult(_message.Message):
     FAILURE_REASONS_FIELD_NUMBER: _ClassVar[int]
     TIER_STORED_FIELD_NUMBER: _ClassVar[int]
     TIER_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    SPARE_CORES_FIELD_NUMBER: _ClassVar[int]
     step: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_ms: float
@@ -91,7 +92,8 @@ class StepResult(_message.Message):
     failure_reasons: _containers.RepeatedScalarFieldContainer[str]
     tier_stored: _containers.RepeatedScalarFieldContainer[bytes]
     tier_evicted: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[str]] = ..., failure_reasons: _Optional[_Iterable[str]] = ..., tier_stored: _Optional[_Iterable[bytes]] = ..., tier_evicted: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    spare_cores: int
+    def __init__(self, step: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., error: _Optional[str] = ..., failed: _Optional[_Iterable[str]] = ..., failure_reasons: _Optional[_Iterable[str]] = ..., tier_stored: _Optional[_Iterable[bytes]] = ..., tier_evicted: _Optional[_Iterable[bytes]] = ..., spare_cores: _Optional[int] = ...) -> None: ...
 
 class ReadPagesRequest(_message.Message):
     __slots__ = ("hashes", "page_bytes", "dtype")

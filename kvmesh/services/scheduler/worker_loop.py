@@ -133,9 +133,11 @@ class WorkerLoop:
         self.info = info
         self.version = info.version or "v1"
         self.draining = False  # failed its health checks: takes nothing new
-        # Plan the next step while one is out (SchedulerServiceConfig.overlap_steps).
+        # Plan the next step while one is out (SchedulerServiceConfig.overlap_steps); with auto, a CPU
+        # worker's results say whether its step leaves a core to plan on (`spare_cores`).
         on_accelerator = (info.device or "cpu") != "cpu"
         self.overlap = cfg.batching == "continuous" and (cfg.overlap_steps == "on" or cfg.overlap_steps == "auto" and on_accelerator)
+        self.overlap_follows_cores = cfg.batching == "continuous" and cfg.overlap_steps == "auto" and not on_accelerator
         self.ramp = None  # an AdmissionRamp while a late-joining worker takes load gradually
         self.task: asyncio.Task | None = None
         self.stub: worker_pb2_grpc.WorkerStub | None = None
@@ -427,6 +429,10 @@ class WorkerLoop:
                     continue
                 step_result = wire.result_from_proto(result)
                 self._note_tier(step_result)
+                if self.overlap_follows_cores and self.overlap != (step_result.spare_cores > 0):
+                    self.overlap = step_result.spare_cores > 0
+                    log.info("worker %s: steps %s (its step leaves %d of the host's cores)", self.worker_id,
+                             "overlapped" if self.overlap else "no longer overlapped", step_result.spare_cores)
                 events = self.core.update(plan, step_result)
                 self._note_finishes(events)
                 self._dispatch(with_logprobs(events, step_result))
