@@ -226,7 +226,6 @@ def test_a_worker_reports_the_cores_its_tuned_team_leaves_and_none_for_a_set_tea
 
     service = WorkerService()
     service.runner = ModelRunner(CausalLM.load(hf_checkpoint("llama")), num_pages=8)
-    service.cores = 2
     ids = [5, 9, 31, 7, 77, 12]
     kept = torch.get_num_threads()
     reports, tokens = [], []

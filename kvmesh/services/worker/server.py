@@ -112,7 +112,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # and steps hopping between executor threads would keep several pools alive and spinning.
         self._compute = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self.team: TeamTuner | None = None  # the steps' thread count, measured (team.py; --threads 0 on a CPU)
-        self.cores = 0  # the threads a step would run on by default (the host's cores for torch); 0 on an accelerator
         self.info = worker_pb2.WorkerInfo()
         self._stream_owner = 0
         self.lease_token = 0  # the highest scheduler lease token accepted (fencing)
@@ -169,7 +168,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # scheduler's overlap follows its decisions). A thread count set by --threads says nothing
         # of the host: other workers may run on the rest of its cores (prefix_routing.py's four
         # one-thread workers on two cores lost time to first token with steps overlapped).
-        result.spare_cores = self.cores - tuner.current if tuner is not None else 0
+        result.spare_cores = tuner.cores - tuner.current if tuner is not None else 0
         return result, start_ns, time.time_ns()
 
     def _layout_problem(self, page_bytes: int, dtype: str) -> str | None:
@@ -476,13 +475,10 @@ async def serve(common: CommonConfig, cfg: WorkerConfig) -> None:
     log.info("worker %s listening on %s, loading model", worker_id, address)
     registry = Registry(common.redis_url)
     await registry.clear_drained(worker_id)  # a fresh process: whatever drained the last one is gone with it
-    loop = asyncio.get_running_loop()
-    cores = await loop.run_in_executor(service._compute, torch.get_num_threads)  # the steps' thread's, before --threads
-    service.runner = runner = await loop.run_in_executor(service._compute, load_runner, cfg)
-    if runner.model.device.type == "cpu":
-        service.cores = cores
-        if not cfg.threads and cores >= 2:
-            service.team = TeamTuner(cores)
+    service.runner = runner = await asyncio.get_running_loop().run_in_executor(service._compute, load_runner, cfg)
+    cores = await asyncio.get_running_loop().run_in_executor(service._compute, torch.get_num_threads)  # the steps' thread's
+    if not cfg.threads and runner.model.device.type == "cpu" and cores >= 2:
+        service.team = TeamTuner(cores)
     service.metrics.offload.labels(worker_id, "used").set_function(lambda: runner.store.tier_bytes)
     service.metrics.offload.labels(worker_id, "capacity").set(runner.store.tier_capacity * runner.store.page_bytes)
     epoch = await registry.next_epoch(worker_id)
