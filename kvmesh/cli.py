@@ -134,7 +134,7 @@ UP_SETTINGS = {"scheduler": ("max_num_seqs", "max_batched_tokens", "max_prefill_
                              "victim_policy", "batching", "kv_fetch"),
                "worker": ("device", "dtype", "kv_memory_mib", "gpu_memory_utilization", "kv_offload_mib", "threads",
                           "page_size"),
-               "router": ("api_keys", "api_keys_file", "served_model_name")}
+               "router": ("api_keys", "api_keys_file", "served_model_name", "stream_interval")}
 
 
 def add_up_service_flags(p: argparse.ArgumentParser) -> None:

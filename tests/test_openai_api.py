@@ -45,6 +45,21 @@ def keyed_router(mesh, model_dir):
         stop([child], None)
 
 
+@pytest.fixture(scope="module")
+def interval_router(mesh, model_dir):
+    """A second router on the same mesh started with --stream-interval 3; yields its gRPC address."""
+    port, http_port = free_port(), free_port()
+    proc = subprocess.Popen(serve_command("router", mesh.redis_url, port, "--http-port", str(http_port),
+                                          "--model", str(model_dir), "--stream-interval", "3"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    child = Child("router-interval", f"127.0.0.1:{port}", proc, f"127.0.0.1:{http_port}")
+    try:
+        wait_serving(child.address, 120, proc)
+        yield child.address
+    finally:
+        stop([child], None)
+
+
 def greedy(max_tokens=12, **extra_body):
     """OpenAI arguments for a greedy request of exactly `max_tokens` tokens."""
     return dict(model="default", max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True, **extra_body})
@@ -116,6 +131,51 @@ def test_streamed_completion_equals_non_streamed_and_ends_with_usage(client):
     assert all(c.usage is None for c in with_text)
     assert last.choices == [] and last.usage.completion_tokens == 20
     assert last.usage.total_tokens == last.usage.prompt_tokens + 20
+
+
+def chunk_sizes(chunks) -> list[int]:
+    """Tokens per streamed completion chunk (its logprobs list one entry per token), chunks without any left out."""
+    return [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
+
+
+def test_a_stream_interval_sends_that_many_tokens_a_chunk_with_the_same_text(client):
+    """vLLM's `stream_interval`: after the first token, a chunk goes out once that many tokens wait,
+    and the finish takes the rest; the text is the same as streamed a token at a time. (The router
+    merges a slow reader's waiting tokens too, so a chunk may hold more, never fewer.)"""
+    whole = client.completions.create(prompt="cedar marsh pebble", **greedy(48))
+    one_by_one = list(client.completions.create(prompt="cedar marsh pebble", stream=True, logprobs=1, **greedy(48)))
+    by_four = list(client.completions.create(prompt="cedar marsh pebble", stream=True, logprobs=1,
+                                             **greedy(48, stream_interval=4)))
+    for chunks in (one_by_one, by_four):
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+        assert sum(chunk_sizes(chunks)) == 48 and chunks[-1].choices[0].finish_reason == "length"
+    first, *middle, last = chunk_sizes(by_four)
+    assert middle and all(n >= 4 for n in middle), chunk_sizes(by_four)
+
+
+def test_the_routers_stream_interval_is_the_least_a_request_gets(mesh, interval_router):
+    """--stream-interval 3 on the router: a gRPC request that asks for nothing or for less gets three
+    tokens a message after the first, one that asks for more gets that; the tokens are those of a
+    router streaming them one at a time."""
+    def messages(address, stream_interval):
+        request = gen.GenerateRequest(prompt="amber fjord lantern", stream_interval=stream_interval,
+                                      sampling=gen.SamplingParams(temperature=0.0),
+                                      stopping=gen.StoppingParams(max_new_tokens=40, ignore_eos=True))
+
+        async def run():
+            async with grpc.aio.insecure_channel(address) as ch:
+                return [r async for r in generation_pb2_grpc.GenerationStub(ch).Generate(request, timeout=60)]
+
+        return asyncio.run(run())
+
+    reference = [t.id for r in messages(mesh.addr, 0) for t in r.tokens]
+    assert len(reference) == 40
+    for asked, least in ((0, 3), (2, 3), (6, 6)):
+        responses = messages(interval_router, asked)
+        assert [t.id for r in responses for t in r.tokens] == reference
+        first, *middle, last = [len(r.tokens) for r in responses]
+        assert middle and all(n >= least for n in middle), (asked, [len(r.tokens) for r in responses])
+        assert responses[-1].HasField("finish")
 
 
 def test_chat_renders_the_chat_template_and_matches_grpc(client, mesh, model_dir):
@@ -213,6 +273,11 @@ def test_bad_chat_parameters_are_400_naming_the_field(client, kwargs, param):
     ("/v1/completions", b'{"model": "default", "prompt": "hello", "max_tokens": -3}', "max_tokens"),
     ("/v1/completions", b'{"model": "default", "prompt": "hello", "stop": [1]}', "stop"),
     ("/v1/completions", b'{"model": "default", "prompt": "hello", "stream": "yes"}', "stream"),
+    ("/v1/completions", b'{"model": "default", "prompt": "hello", "stream": true, "stream_interval": 0}', "stream_interval"),
+    ("/v1/completions", b'{"model": "default", "prompt": "hello", "stream": true, "stream_interval": "4"}',
+     "stream_interval"),
+    ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": "hi"}], '
+                             b'"stream": true, "stream_interval": 2.5}', "stream_interval"),
     ("/v1/chat/completions", b'{"model": "default"}', "messages"),
     ("/v1/chat/completions", b'{"model": "default", "messages": "hi"}', "messages"),
     ("/v1/chat/completions", b'{"model": "default", "messages": []}', "messages"),

@@ -295,6 +295,7 @@ class RouterConfig:
     route_balance_ratio: float = dataclasses.field(default=0.5, metadata=_help("scheduler choice's balance guard: only schedulers whose in-flight work (less the request's prompt pages a request sent there just before it is still to compute, plus those its roomiest worker lacks and has no room for) is within max(route_balance_slack_pages, this x the least loaded one's) of it are candidates, so a hot prefix spreads"))
     route_balance_slack_pages: float = dataclasses.field(default=64.0, metadata=_help("scheduler choice's balance guard: the smallest allowed gap, in pages of work"))
     resume_timeout_s: float = dataclasses.field(default=30.0, metadata=_help("a request whose scheduler or worker died is resubmitted (with the tokens already streamed) to a live scheduler, retried with backoff for this long, then UNAVAILABLE"))
+    stream_interval: int = dataclasses.field(default=1, metadata=_help("tokens per streamed message after the first (gRPC responses, SSE chunks): 1 sends each token as it comes; N sends the first at once, then one message per N tokens, and the rest with the finish, so clients and the router handle fewer messages (as vLLM's --stream-interval; a request's stream_interval may raise it)"))
     drain_s: float = dataclasses.field(default=30.0, metadata=_help("on SIGTERM the router takes no new calls (gRPC UNAVAILABLE, the HTTP port closed, health NOT_SERVING) and lets the calls in flight on both ports finish for up to this long, then ends them (a gRPC client with a request_id resumes through another router)"))
 
     def __post_init__(self):
@@ -315,6 +316,8 @@ class RouterConfig:
             raise ValueError(f"resume_timeout_s must be >= 0, got {self.resume_timeout_s}")
         if self.drain_s < 0:
             raise ValueError(f"drain_s must be >= 0, got {self.drain_s}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.scheduler_choice not in ("kv", "round-robin"):
             raise ValueError(f"scheduler_choice must be kv or round-robin, got {self.scheduler_choice!r}")
         if self.route_balance_ratio < 0 or self.route_balance_slack_pages < 0:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/v1/generation.proto\x12\tkvmesh.v1\"\xdc\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x10\n\x08logprobs\x18\x14 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x04\x88\x01\x01\x12<\n\nlogit_bias\x18\x16 \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x36\n\x11structured_output\x18\x46 \x01(\x0b\x32\x1b.kvmesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"J\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"z\n\x0eStoppingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\xa1\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12+\n\x08stopping\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.StoppingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x18\n\x0bresume_from\x18\x32 \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x14 \x01(\rB\x07\n\x05inputB\x0e\n\x0c_resume_from\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"a\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x14 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\"+\n\x0cTokenLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xe5\x02\n\x06\x46inish\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x10\n\x08total_ms\x18\x07 \x01(\x01\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x10\n\x08trace_id\x18\t \x01(\t\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x13\n\x0bpreemptions\x18\x0b \x01(\r\x12\x15\n\rmodel_version\x18\x0c \x01(\t\x12\x0f\n\x07resumes\x18\x32 \x01(\r\x12!\n\x19transferred_prompt_tokens\x18\x33 \x01(\r\x12\x17\n\x0ftransfer_source\x18\x34 \x01(\t\"\xa3\x01\n\x10GenerateResponse\x12 \n\x06tokens\x18\x01 \x03(\x0b\x32\x10.kvmesh.v1.Token\x12!\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x11.kvmesh.v1.Finish\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05index\x18\x14 \x01(\r\x12\'\n\rprompt_tokens\x18\x15 \x03(\x0b\x32\x10.kvmesh.v1.Token\"\x13\n\x11ListModelsRequest\"O\n\x0cModelVersion\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x15\n\rready_workers\x18\x02 \x01(\r\x12\x17\n\x0ftraffic_percent\x18\x03 \x01(\x01\"e\n\x0bRolloutInfo\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x16\n\x0estable_version\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61nary_version\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61nary_percent\x18\x04 \x01(\x01\"\xaa\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rready_workers\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12)\n\x08versions\x18\x04 \x03(\x0b\x32\x17.kvmesh.v1.ModelVersion\x12\x0f\n\x07\x61liases\x18\x46 \x03(\t\x12\'\n\x07rollout\x18G \x01(\x0b\x32\x16.kvmesh.v1.RolloutInfo\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x1f\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r*f\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\t\n\x05\x45RROR\x10\x05\x32\xe3\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/v1/generation.proto\x12\tkvmesh.v1\"\xdc\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x10\n\x08logprobs\x18\x14 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x04\x88\x01\x01\x12<\n\nlogit_bias\x18\x16 \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x36\n\x11structured_output\x18\x46 \x01(\x0b\x32\x1b.kvmesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"J\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"z\n\x0eStoppingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\xba\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12+\n\x08stopping\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.StoppingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x18\n\x0bresume_from\x18\x32 \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x14 \x01(\r\x12\x17\n\x0fstream_interval\x18\x15 \x01(\rB\x07\n\x05inputB\x0e\n\x0c_resume_from\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"a\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x14 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\"+\n\x0cTokenLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xe5\x02\n\x06\x46inish\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x10\n\x08total_ms\x18\x07 \x01(\x01\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x10\n\x08trace_id\x18\t \x01(\t\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x13\n\x0bpreemptions\x18\x0b \x01(\r\x12\x15\n\rmodel_version\x18\x0c \x01(\t\x12\x0f\n\x07resumes\x18\x32 \x01(\r\x12!\n\x19transferred_prompt_tokens\x18\x33 \x01(\r\x12\x17\n\x0ftransfer_source\x18\x34 \x01(\t\"\xa3\x01\n\x10GenerateResponse\x12 \n\x06tokens\x18\x01 \x03(\x0b\x32\x10.kvmesh.v1.Token\x12!\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x11.kvmesh.v1.Finish\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05index\x18\x14 \x01(\r\x12\'\n\rprompt_tokens\x18\x15 \x03(\x0b\x32\x10.kvmesh.v1.Token\"\x13\n\x11ListModelsRequest\"O\n\x0cModelVersion\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x15\n\rready_workers\x18\x02 \x01(\r\x12\x17\n\x0ftraffic_percent\x18\x03 \x01(\x01\"e\n\x0bRolloutInfo\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x16\n\x0estable_version\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61nary_version\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61nary_percent\x18\x04 \x01(\x01\"\xaa\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rready_workers\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12)\n\x08versions\x18\x04 \x03(\x0b\x32\x17.kvmesh.v1.ModelVersion\x12\x0f\n\x07\x61liases\x18\x46 \x03(\t\x12\'\n\x07rollout\x18G \x01(\x0b\x32\x16.kvmesh.v1.RolloutInfo\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x1f\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r*f\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\t\n\x05\x45RROR\x10\x05\x32\xe3\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2226
-  _globals['_FINISHREASON']._serialized_end=2328
+  _globals['_FINISHREASON']._serialized_start=2251
+  _globals['_FINISHREASON']._serialized_end=2353
   _globals['_SAMPLINGPARAMS']._serialized_start=42
   _globals['_SAMPLINGPARAMS']._serialized_end=518
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=392
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGPARAMS']._serialized_start=596
   _globals['_STOPPINGPARAMS']._serialized_end=718
   _globals['_GENERATEREQUEST']._serialized_start=721
-  _globals['_GENERATEREQUEST']._serialized_end=1010
-  _globals['_TOKENIDS']._serialized_start=1012
-  _globals['_TOKENIDS']._serialized_end=1035
-  _globals['_TOKEN']._serialized_start=1037
-  _globals['_TOKEN']._serialized_end=1134
-  _globals['_TOKENLOGPROB']._serialized_start=1136
-  _globals['_TOKENLOGPROB']._serialized_end=1179
-  _globals['_FINISH']._serialized_start=1182
-  _globals['_FINISH']._serialized_end=1539
-  _globals['_GENERATERESPONSE']._serialized_start=1542
-  _globals['_GENERATERESPONSE']._serialized_end=1705
-  _globals['_LISTMODELSREQUEST']._serialized_start=1707
-  _globals['_LISTMODELSREQUEST']._serialized_end=1726
-  _globals['_MODELVERSION']._serialized_start=1728
-  _globals['_MODELVERSION']._serialized_end=1807
-  _globals['_ROLLOUTINFO']._serialized_start=1809
-  _globals['_ROLLOUTINFO']._serialized_end=1910
-  _globals['_MODELINFO']._serialized_start=1913
-  _globals['_MODELINFO']._serialized_end=2083
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2085
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2143
-  _globals['_TOKENIZEREQUEST']._serialized_start=2145
-  _globals['_TOKENIZEREQUEST']._serialized_end=2191
-  _globals['_TOKENIZERESPONSE']._serialized_start=2193
-  _globals['_TOKENIZERESPONSE']._serialized_end=2224
-  _globals['_GENERATION']._serialized_start=2331
-  _globals['_GENERATION']._serialized_end=2558
+  _globals['_GENERATEREQUEST']._serialized_end=1035
+  _globals['_TOKENIDS']._serialized_start=1037
+  _globals['_TOKENIDS']._serialized_end=1060
+  _globals['_TOKEN']._serialized_start=1062
+  _globals['_TOKEN']._serialized_end=1159
+  _globals['_TOKENLOGPROB']._serialized_start=1161
+  _globals['_TOKENLOGPROB']._serialized_end=1204
+  _globals['_FINISH']._serialized_start=1207
+  _globals['_FINISH']._serialized_end=1564
+  _globals['_GENERATERESPONSE']._serialized_start=1567
+  _globals['_GENERATERESPONSE']._serialized_end=1730
+  _globals['_LISTMODELSREQUEST']._serialized_start=1732
+  _globals['_LISTMODELSREQUEST']._serialized_end=1751
+  _globals['_MODELVERSION']._serialized_start=1753
+  _globals['_MODELVERSION']._serialized_end=1832
+  _globals['_ROLLOUTINFO']._serialized_start=1834
+  _globals['_ROLLOUTINFO']._serialized_end=1935
+  _globals['_MODELINFO']._serialized_start=1938
+  _globals['_MODELINFO']._serialized_end=2108
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2110
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2168
+  _globals['_TOKENIZEREQUEST']._serialized_start=2170
+  _globals['_TOKENIZEREQUEST']._serialized_end=2216
+  _globals['_TOKENIZERESPONSE']._serialized_start=2218
+  _globals['_TOKENIZERESPONSE']._serialized_end=2249
+  _globals['_GENERATION']._serialized_start=2356
+  _globals['_GENERATION']._serialized_end=2583
 # @@protoc_insertion_point(module_scope)

@@ -16,7 +16,9 @@ highest sum of token logprobs (not streamed, as OpenAI).
 
 Answers have OpenAI's shapes; with `"stream": true` they are server-sent events (`data: {json}`)
 ending in `data: [DONE]`, plus a usage chunk with empty choices when
-`stream_options.include_usage` is set. Errors have OpenAI's shape
+`stream_options.include_usage` is set. A chunk carries one token's text, or, after a choice's
+first, `stream_interval` tokens' (vLLM's extra field; the router's --stream-interval is the least
+it can be). Errors have OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: 400 bad input (`param` names the field), 401
 missing or wrong API key, 404 unknown model, 413 a body over max_request_bytes, 415 a body that is
 not `Content-Type: application/json` (so a browser page cannot post one cross-site as a form or
@@ -486,6 +488,8 @@ def _generate_request(req, request_id: str, max_tokens: int | None, n: int, logp
     request = gen.GenerateRequest(model=req.model, request_id=request_id, n=n, sampling=sampling, stopping=stopping)
     if req.priority is not None:
         request.priority = req.priority
+    if req.stream and req.stream_interval is not None:  # ignored without streaming, as vLLM does
+        request.stream_interval = req.stream_interval
     return request
 
 

@@ -143,6 +143,7 @@ class _Sampling(BaseModel):
     priority: Int32 | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    stream_interval: Annotated[StrictInt, Field(ge=1, le=UINT32_MAX)] | None = None  # vLLM's: tokens per chunk
     response_format: ResponseFormat | None = None
     # OpenAI's, not kvmesh's: refused by name when set.
     tools: Any = None

@@ -430,15 +430,20 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     async def _choice(self, pool: Pool, scheduler, request, submit, index: int, resume_from: int | None,
                       deadline: float | None, span, started, admission: Admission | None):
         """One completion's stream: its scheduler request's token events, across every scheduler
-        call `_events` makes for it, as GenerateResponses with text (`ChoiceOutput`)."""
+        call `_events` makes for it, as GenerateResponses with text (`ChoiceOutput`). After the
+        first token, tokens wait in `out` until the stream interval's count of them is there (or
+        the finish, or an error ends the stream)."""
         text = ChoiceOutput(pool.tokenizer, submit.prompt_token_ids, list(request.stopping.stop), resume_from or 0)
         k = submit.sampling.logprobs
         trace_id = telemetry.trace_id_hex(span)
         itl = self.metrics.itl.labels(pool.name)
+        interval = max(self.cfg.stream_interval, request.stream_interval)  # a request may raise the router's, not lower it
         first_token_at, last_token_at = None, None
+        out, sent = None, False
         try:
             async for event in self._events(pool, scheduler, submit, resume_from, deadline, span, text):
-                out = gen.GenerateResponse(request_id=request.request_id or submit.request_id, index=index)
+                if out is None:
+                    out = gen.GenerateResponse(request_id=request.request_id or submit.request_id, index=index)
                 if event.HasField("prompt"):
                     out.prompt_tokens.extend(prompt_tokens(pool.tokenizer, submit.prompt_token_ids, event.prompt,
                                                            submit.sampling.prompt_logprobs))
@@ -474,8 +479,14 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                     out.finish.CopyFrom(finish)
                     yield out
                     return
-                if out.tokens or out.prompt_tokens:
+                if out.prompt_tokens or (out.tokens and (not sent or len(out.tokens) >= interval)):
+                    sent = True
                     yield out
+                    out = None
+        except RouterError:
+            if out is not None and out.tokens:  # what the stream produced before the error is the client's
+                yield out
+            raise
         finally:
             if admission is not None:  # every choice's tokens sent on this stream count against the key
                 admission.output_tokens += max(0, len(text.token_ids) - text.skip)
