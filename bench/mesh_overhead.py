@@ -5,6 +5,7 @@ and through the in-process engine, both on one worker with the same settings.
     python bench/mesh_overhead.py --model DIR --concurrency 32 --output-len 128
     python bench/mesh_overhead.py --scheduler-arg=--overlap-steps --scheduler-arg=on   # or off, auto
     python bench/mesh_overhead.py --concurrency 1 --dtype bfloat16   # one stream, bfloat16 weights
+    python bench/mesh_overhead.py --router-arg=--stream-interval --router-arg=4   # 4 tokens a message
 
 Alternates a mesh pass and an in-process pass (after one warm-up pass of each) and prints
 the medians, their ratio, and the scheduler's per-step time split
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="measured passes of each (after one warm-up pass)")
     ap.add_argument("--dtype", default="", help="both sides' model dtype (default: the checkpoint's, float32)")
     ap.add_argument("--scheduler-arg", action="append", default=[], help="passed to the mesh's scheduler (repeat for each word)")
+    ap.add_argument("--router-arg", action="append", default=[], help="passed to the mesh's router (repeat for each word)")
     args = ap.parse_args()
     from kvmesh.modelgen import bench_model_dir
     from kvmesh.services.launcher import free_port, launch, stop
@@ -81,7 +83,7 @@ def main() -> None:
     port = free_port()
     dtype = ["--dtype", args.dtype] if args.dtype else []
     children, redis_proc, redis_url = launch(model_dir, 1, None, port, extra_worker=["--kv-memory-mib", str(args.kv_memory_mib), *dtype],
-                                          extra_scheduler=args.scheduler_arg)
+                                          extra_scheduler=args.scheduler_arg, extra_router=args.router_arg)
     mesh_runs, engine_runs = [], []
     try:
         # Alternate the two so that this machine's drifting speed hits both alike; pass 0 warms up.

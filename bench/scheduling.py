@@ -13,7 +13,8 @@ chunked prefill (256 tokens per step, at most 128 for one request) and without (
 long prompt in one step).
 `sweep`: the sharegpt-like workload at several rates; writes docs/latency_throughput.png.
 BENCH_MODEL=cheap runs the mesh benchmarks on pool_size.py's cheap model (1 KiB of KV per token)
-instead of bench-125m, with BENCH_KV_MIB of KV (default 2048).
+instead of bench-125m, with BENCH_KV_MIB of KV (default 2048). BENCH_ROUTER_ARGS (space-separated)
+go to the mesh's router, e.g. BENCH_ROUTER_ARGS="--stream-interval 4".
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def with_mesh(scheduler_flags: list[str], body):
     port = free_port()
     children, redis_proc, _ = launch(str(model), 1, None, port,
                                      extra_worker=["--kv-memory-mib", os.environ.get("BENCH_KV_MIB", "2048")],
-                                     extra_scheduler=scheduler_flags)
+                                     extra_scheduler=scheduler_flags,
+                                     extra_router=os.environ.get("BENCH_ROUTER_ARGS", "").split())
     try:
         return body(f"127.0.0.1:{port}")
     finally:

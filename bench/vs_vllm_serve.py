@@ -35,6 +35,8 @@ streams and gives the newcomers (kvmesh's `--backlog-decode-every`).
 
 `--kvmesh-args=--scheduler-arg=--max-queue-wait-s=0` turns off kvmesh's overload refusal: with
 its defaults, a burst sent right after start was mostly refused at submit (docs/benchmarks.md).
+`--kvmesh-args="--stream-interval 4" --vllm-args="--stream-interval 4"` has both servers send four
+tokens a chunk after the first (both default to one).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def wait_ready(http_port: int, proc: subprocess.Popen, timeout_s: float = 600) -
 
 
 def start(system: str, model: str, http_port: int, vllm_python: str, log, kvmesh_args: list[str],
-          dtype: str = "float32") -> subprocess.Popen:
+          dtype: str = "float32", vllm_args: list[str] = ()) -> subprocess.Popen:
     cores = os.cpu_count() or 1
     if system == "kvmesh":
         command = [str(ROOT / ".venv" / "bin" / "kvmesh"), "up", "--model", model, "--http-port", str(http_port),
@@ -92,7 +94,7 @@ def start(system: str, model: str, http_port: int, vllm_python: str, log, kvmesh
         env = dict(os.environ)
     else:
         command = [vllm_python, "-c", VLLM_CLI, "serve", model, "--port", str(http_port), "--served-model-name",
-                   "bench", "--dtype", dtype, "--max-model-len", "2048"]
+                   "bench", "--dtype", dtype, "--max-model-len", "2048", *vllm_args]
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_KVCACHE_SPACE="4",
                    VLLM_TARGET_DEVICE="cpu")  # its platform check reads the version of a distribution named vllm
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -203,6 +205,7 @@ def main() -> None:
     ap.add_argument("--http-port", type=int, default=18080)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both servers' model dtype")
     ap.add_argument("--kvmesh-args", default="", help="more `kvmesh up` arguments, space-separated")
+    ap.add_argument("--vllm-args", default="", help="more `vllm serve` arguments, space-separated")
     ap.add_argument("--results-dir", help="keep each pass's detailed result here as SYSTEM-RATE-PASS.json")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -213,7 +216,8 @@ def main() -> None:
     results: dict[tuple[str, str], list[dict]] = {}
     for system in args.systems.split(","):
         with open(Path(tempfile.gettempdir()) / f"vs_vllm_serve_{system}.log", "w") as log:
-            proc = start(system, model, args.http_port, args.vllm_python, log, args.kvmesh_args.split(), args.dtype)
+            proc = start(system, model, args.http_port, args.vllm_python, log, args.kvmesh_args.split(), args.dtype,
+                         args.vllm_args.split())
             try:
                 wait_ready(args.http_port, proc)
                 bench_pass(args.vllm_python, model, args.http_port, "inf", 32, seed=1000)  # warm-up
