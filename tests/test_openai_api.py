@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API on the router, driven by the official `openai` client over a real mesh."""
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import time
@@ -30,34 +31,33 @@ def client(mesh):
     return openai.OpenAI(base_url=f"http://{mesh.child('router').http}/v1", api_key="x", max_retries=0)
 
 
+@contextlib.contextmanager
+def second_router(mesh, model_dir, *flags):
+    """Another router on the same mesh, started with `flags`; yields its Child."""
+    port, http_port = free_port(), free_port()
+    proc = subprocess.Popen(serve_command("router", mesh.redis_url, port, "--http-port", str(http_port),
+                                          "--model", str(model_dir), *flags),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    child = Child("router-" + flags[0].strip("-"), f"127.0.0.1:{port}", proc, f"127.0.0.1:{http_port}")
+    try:
+        wait_serving(child.address, 120, proc)
+        yield child
+    finally:
+        stop([child], None)
+
+
 @pytest.fixture(scope="module")
 def keyed_router(mesh, model_dir):
     """A second router on the same mesh that wants `Bearer k1` or `Bearer k2`; yields its HTTP address."""
-    port, http_port = free_port(), free_port()
-    proc = subprocess.Popen(serve_command("router", mesh.redis_url, port, "--http-port", str(http_port),
-                                          "--model", str(model_dir), "--api-keys", "k1,k2"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    child = Child("router-keyed", f"127.0.0.1:{port}", proc, f"127.0.0.1:{http_port}")
-    try:
-        wait_serving(child.address, 120, proc)
+    with second_router(mesh, model_dir, "--api-keys", "k1,k2") as child:
         yield child.http
-    finally:
-        stop([child], None)
 
 
 @pytest.fixture(scope="module")
 def interval_router(mesh, model_dir):
     """A second router on the same mesh started with --stream-interval 3; yields its gRPC address."""
-    port, http_port = free_port(), free_port()
-    proc = subprocess.Popen(serve_command("router", mesh.redis_url, port, "--http-port", str(http_port),
-                                          "--model", str(model_dir), "--stream-interval", "3"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    child = Child("router-interval", f"127.0.0.1:{port}", proc, f"127.0.0.1:{http_port}")
-    try:
-        wait_serving(child.address, 120, proc)
+    with second_router(mesh, model_dir, "--stream-interval", "3") as child:
         yield child.address
-    finally:
-        stop([child], None)
 
 
 def greedy(max_tokens=12, **extra_body):
