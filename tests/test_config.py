@@ -57,6 +57,7 @@ def test_fleet_settings_are_checked_and_errors_name_the_setting():
         (RouterConfig, {"model": "a=/x,a=/y"}, "model names must be distinct"),
         (RouterConfig, {"model": "=/x"}, "model must be DIR or NAME=DIR"),
         (RouterConfig, {"stream_interval": 0}, "stream_interval must be >= 1, got 0"),
+        (RouterConfig, {"stream_interval_max_gap_ms": -1.0}, "stream_interval_max_gap_ms must be >= 0, got -1.0"),
     ]
     for cls, settings, message in cases:
         with pytest.raises(ValueError) as e:

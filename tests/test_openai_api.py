@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.services.launcher import Child, free_port, serve_command, stop, wait_serving
 from kvmesh.services.router.openai_api import api_error
+from kvmesh.services.router.output import send_now
 from kvmesh.services.router.server import RouterError
 from kvmesh.tokenizer import Tokenizer
 from kvmesh.v1 import generation_pb2 as gen
@@ -55,9 +56,10 @@ def keyed_router(mesh, model_dir):
 
 @pytest.fixture(scope="module")
 def interval_router(mesh, model_dir):
-    """A second router on the same mesh started with --stream-interval 3; yields its gRPC address."""
-    with second_router(mesh, model_dir, "--stream-interval", "3") as child:
-        yield child.address
+    """A second router on the same mesh started with --stream-interval 3, holding tokens for the
+    count however slowly they come (a loaded machine's gaps would send some early); yields its Child."""
+    with second_router(mesh, model_dir, "--stream-interval", "3", "--stream-interval-max-gap-ms", "0") as child:
+        yield child
 
 
 def greedy(max_tokens=12, **extra_body):
@@ -138,19 +140,31 @@ def chunk_sizes(chunks) -> list[int]:
     return [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
 
 
-def test_a_stream_interval_sends_that_many_tokens_a_chunk_with_the_same_text(client):
+def test_a_stream_interval_sends_that_many_tokens_a_chunk_with_the_same_text(client, interval_router):
     """vLLM's `stream_interval`: after the first token, a chunk goes out once that many tokens wait,
     and the finish takes the rest; the text is the same as streamed a token at a time. (The router
     merges a slow reader's waiting tokens too, so a chunk may hold more, never fewer.)"""
+    held = openai.OpenAI(base_url=f"http://{interval_router.http}/v1", api_key="x", max_retries=0)
     whole = client.completions.create(prompt="cedar marsh pebble", **greedy(48))
     one_by_one = list(client.completions.create(prompt="cedar marsh pebble", stream=True, logprobs=1, **greedy(48)))
-    by_four = list(client.completions.create(prompt="cedar marsh pebble", stream=True, logprobs=1,
-                                             **greedy(48, stream_interval=4)))
+    by_four = list(held.completions.create(prompt="cedar marsh pebble", stream=True, logprobs=1,
+                                           **greedy(48, stream_interval=4)))
     for chunks in (one_by_one, by_four):
         assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
         assert sum(chunk_sizes(chunks)) == 48 and chunks[-1].choices[0].finish_reason == "length"
     first, *middle, last = chunk_sizes(by_four)
     assert middle and all(n >= 4 for n in middle), chunk_sizes(by_four)
+
+
+def test_held_tokens_go_once_the_interval_is_reached_or_a_slow_token_comes():
+    """The stream interval's rule (output.send_now): the first token at once; then a chunk per
+    `interval` tokens while they come fast; a token that came `max_gap_s` or more after the one
+    before goes at once with those held; with max_gap_s 0 only the count counts."""
+    assert not send_now(0, False, 4, None, 0.05)  # nothing held
+    assert send_now(1, False, 4, None, 0.05)  # the first token
+    assert [send_now(n, True, 4, 0.01, 0.05) for n in (1, 2, 3, 4, 5)] == [False, False, False, True, True]
+    assert send_now(1, True, 4, 0.05, 0.05) and send_now(2, True, 4, 1.5, 0.05)  # tokens come slowly
+    assert not send_now(2, True, 4, 1.5, 0.0) and send_now(4, True, 4, 1.5, 0.0)  # the gap rule off
 
 
 def test_the_routers_stream_interval_is_the_least_a_request_gets(mesh, interval_router):
@@ -171,7 +185,7 @@ def test_the_routers_stream_interval_is_the_least_a_request_gets(mesh, interval_
     reference = [t.id for r in messages(mesh.addr, 0) for t in r.tokens]
     assert len(reference) == 40
     for asked, least in ((0, 3), (2, 3), (6, 6)):
-        responses = messages(interval_router, asked)
+        responses = messages(interval_router.address, asked)
         assert [t.id for r in responses for t in r.tokens] == reference
         first, *middle, last = [len(r.tokens) for r in responses]
         assert middle and all(n >= least for n in middle), (asked, [len(r.tokens) for r in responses])

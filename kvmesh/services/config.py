@@ -296,6 +296,7 @@ class RouterConfig:
     route_balance_slack_pages: float = dataclasses.field(default=64.0, metadata=_help("scheduler choice's balance guard: the smallest allowed gap, in pages of work"))
     resume_timeout_s: float = dataclasses.field(default=30.0, metadata=_help("a request whose scheduler or worker died is resubmitted (with the tokens already streamed) to a live scheduler, retried with backoff for this long, then UNAVAILABLE"))
     stream_interval: int = dataclasses.field(default=1, metadata=_help("tokens per streamed message after the first (gRPC responses, SSE chunks): 1 sends each token as it comes; N sends the first at once, then one message per N tokens, and the rest with the finish, so clients and the router handle fewer messages (as vLLM's --stream-interval; a request's stream_interval may raise it)"))
+    stream_interval_max_gap_ms: float = dataclasses.field(default=50.0, metadata=_help("under a stream interval above 1, a token that came this long or longer after the one before goes out at once with those held: holding pays only while tokens come fast, and a stream whose steps are slow (a burst of prompts) would wait the interval's count of slow steps for its text (0: hold for the count whatever the gaps, as vLLM does)"))
     drain_s: float = dataclasses.field(default=30.0, metadata=_help("on SIGTERM the router takes no new calls (gRPC UNAVAILABLE, the HTTP port closed, health NOT_SERVING) and lets the calls in flight on both ports finish for up to this long, then ends them (a gRPC client with a request_id resumes through another router)"))
 
     def __post_init__(self):
@@ -318,6 +319,8 @@ class RouterConfig:
             raise ValueError(f"drain_s must be >= 0, got {self.drain_s}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if not self.stream_interval_max_gap_ms >= 0:  # NaN too
+            raise ValueError(f"stream_interval_max_gap_ms must be >= 0, got {self.stream_interval_max_gap_ms}")
         if self.scheduler_choice not in ("kv", "round-robin"):
             raise ValueError(f"scheduler_choice must be kv or round-robin, got {self.scheduler_choice!r}")
         if self.route_balance_ratio < 0 or self.route_balance_slack_pages < 0:

@@ -84,6 +84,17 @@ class ChoiceOutput:
         return self.stops.push(self.detokenizer.flush()) + self.stops.flush()
 
 
+def send_now(held: int, sent: bool, interval: int, gap_s: float | None, max_gap_s: float) -> bool:
+    """Whether a stream's `held` tokens go to its client now, under a stream interval: its first
+    token at once, then once `interval` wait, or as soon as one came `max_gap_s` or more after the
+    token before it (`gap_s`; 0 turns this off). Holding tokens saves per-message work only while
+    they come fast; a stream whose steps are slow (a burst of prompts being computed) would wait
+    `interval` slow steps for its text."""
+    if not held:
+        return False
+    return not sent or held >= interval or (max_gap_s > 0 and gap_s is not None and gap_s >= max_gap_s)
+
+
 def alternatives(top_ids: Sequence[int], top_logprobs: Sequence[float], k: int, i: int) -> list[gen.TokenLogprob]:
     """Position i's k alternatives from the flattened lists (k per position, best first)."""
     return [gen.TokenLogprob(id=t, logprob=lp) for t, lp in zip(top_ids[i * k : i * k + k], top_logprobs[i * k : i * k + k])]

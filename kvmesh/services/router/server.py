@@ -26,7 +26,7 @@ from kvmesh.services.grpc_server import ServiceServer, advertised_address, serve
 from kvmesh.services.kvcache.pages import prefix_hashes
 from kvmesh.services.registry import Registry, kv_tokens, pool_of, ready_versions
 from kvmesh.services.router.limits import Admission, KeyLimiter, KeyLimits, LimitExceeded
-from kvmesh.services.router.output import ChoiceOutput, alternatives, prompt_tokens
+from kvmesh.services.router.output import ChoiceOutput, alternatives, prompt_tokens, send_now
 from kvmesh.services.router.pools import Pool, parse_models, served_names
 from kvmesh.services.router.prefix_routing import LOOKUP_TIMEOUT_S, SchedulerChoice, by_scheduler
 from kvmesh.services.router.session import SchedulerLink
@@ -430,14 +430,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     async def _choice(self, pool: Pool, scheduler, request, submit, index: int, resume_from: int | None,
                       deadline: float | None, span, started, admission: Admission | None):
         """One completion's stream: its scheduler request's token events, across every scheduler
-        call `_events` makes for it, as GenerateResponses with text (`ChoiceOutput`). After the
-        first token, tokens wait in `out` until the stream interval's count of them is there (or
-        the finish, or an error ends the stream)."""
+        call `_events` makes for it, as GenerateResponses with text (`ChoiceOutput`). Under a stream
+        interval, tokens wait in `out` until `send_now` says they go (or the finish, or an error,
+        ends the stream)."""
         text = ChoiceOutput(pool.tokenizer, submit.prompt_token_ids, list(request.stopping.stop), resume_from or 0)
         k = submit.sampling.logprobs
         trace_id = telemetry.trace_id_hex(span)
         itl = self.metrics.itl.labels(pool.name)
         interval = max(self.cfg.stream_interval, request.stream_interval)  # a request may raise the router's, not lower it
+        max_gap_s = self.cfg.stream_interval_max_gap_ms / 1000
         first_token_at, last_token_at = None, None
         out, sent = None, False
         try:
@@ -449,6 +450,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                                                            submit.sampling.prompt_logprobs))
                     submit.sampling.ClearField("prompt_logprobs")  # sent: a resubmit must not ask again
                 now = time.monotonic()
+                gap = None if last_token_at is None else now - last_token_at
                 for i, (token_id, logprob) in enumerate(zip(event.token_ids, event.logprobs)):
                     token = text.token(token_id, logprob, alternatives(event.top_ids, event.top_logprobs, k, i) if k else ())
                     if token is not None:  # None: replayed for a resuming client that has it already
@@ -479,7 +481,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                     out.finish.CopyFrom(finish)
                     yield out
                     return
-                if out.prompt_tokens or (out.tokens and (not sent or len(out.tokens) >= interval)):
+                if out.prompt_tokens or send_now(len(out.tokens), sent, interval, gap, max_gap_s):
                     sent = True
                     yield out
                     out = None
