@@ -18,7 +18,7 @@ Answers have OpenAI's shapes; with `"stream": true` they are server-sent events 
 ending in `data: [DONE]`, plus a usage chunk with empty choices when
 `stream_options.include_usage` is set. A chunk carries one token's text, or, after a choice's
 first, `stream_interval` tokens' (vLLM's extra field; the router's --stream-interval is the least
-it can be). Errors have OpenAI's shape
+it can be), sooner when tokens come slowly (output.send_now). Errors have OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: 400 bad input (`param` names the field), 401
 missing or wrong API key, 404 unknown model, 413 a body over max_request_bytes, 415 a body that is
 not `Content-Type: application/json` (so a browser page cannot post one cross-site as a form or
