@@ -56,8 +56,10 @@ def wait_serving(child, timeout=RECOVER_S):
 
 
 def greedy(i, request_id=""):
+    """Stream i's request; odd streams take their tokens four a message (a stream interval), so the
+    tokens a router holds for a client must come through every fault exactly too."""
     return gen.GenerateRequest(prompt=f"stream {i} walks by the river stone", request_id=request_id,
-                               sampling=gen.SamplingParams(temperature=0.0),
+                               sampling=gen.SamplingParams(temperature=0.0), stream_interval=4 if i % 2 else 0,
                                stopping=gen.StoppingParams(max_new_tokens=256 + 8 * i, ignore_eos=True))
 
 
