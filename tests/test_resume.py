@@ -449,26 +449,48 @@ def test_a_whole_mesh_stopped_at_once_with_streams_open_stops_without_being_kill
     """Ctrl-C on `kvmesh up`: every service gets SIGTERM at once. The router's streams lose their
     scheduler; a stopping router does not resubmit them (that would be new work, and would keep
     its drain waiting for resume_timeout_s): each ends UNAVAILABLE, and every process exits on its
-    own (code 0) before stop()'s SIGKILL, 10 s later."""
-    m = Mesh(long_model_dir, workers=1, extra_worker=LONG_KV)
-    request = gen.GenerateRequest(prompt="a stream open at Ctrl-C", sampling=gen.SamplingParams(temperature=0.0),
-                                  stopping=gen.StoppingParams(max_new_tokens=LONG_REQUEST, ignore_eos=True))
+    own (code 0) before stop()'s SIGKILL, 10 s later. A stream whose router held tokens for it (a
+    stream interval it had not reached) gets them before its UNAVAILABLE: the tokens produced are
+    the client's whatever ends the stream (the router's gap rule is off here, so only the error
+    can have sent them)."""
+    m = Mesh(long_model_dir, workers=1, extra_worker=LONG_KV, extra_router=["--stream-interval-max-gap-ms", "0"])
+
+    def request(interval):
+        return gen.GenerateRequest(prompt="a stream open at Ctrl-C", sampling=gen.SamplingParams(temperature=0.0),
+                                   stream_interval=interval,
+                                   stopping=gen.StoppingParams(max_new_tokens=LONG_REQUEST, ignore_eos=True))
+
+    async def read_until_error(call, tokens):
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while (response := await call.read()) is not grpc.aio.EOF:
+                tokens += [t.id for t in response.tokens]
+        return ended.value
 
     async def run():
         async with grpc.aio.insecure_channel(m.addr) as ch:
-            call = generation_pb2_grpc.GenerationStub(ch).Generate(request, timeout=RECOVER_S)
-            await call.read()  # running
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            # Same prompt, same batch: the held stream has about as many tokens as the one streaming
+            # each token, which shows the run has gone on past the first few.
+            each, held = stub.Generate(request(1), timeout=RECOVER_S), stub.Generate(request(100_000), timeout=RECOVER_S)
+            each_tokens = [t.id for t in (await each.read()).tokens]
+            held_tokens = [t.id for t in (await held.read()).tokens]  # the first token comes at once
+            while len(each_tokens) < 8:
+                each_tokens += [t.id for t in (await each.read()).tokens]
             await asyncio.to_thread(m.close)
-            with pytest.raises(grpc.aio.AioRpcError) as ended:
-                while (await call.read()) is not grpc.aio.EOF:
-                    pass
-            return ended.value
+            return (await read_until_error(each, each_tokens), await read_until_error(held, held_tokens),
+                    each_tokens, held_tokens)
 
     try:
-        ended = asyncio.run(run())
+        ended, held_ended, each_tokens, held_tokens = asyncio.run(run())
     finally:
         m.close()
     assert ended.code() == grpc.StatusCode.UNAVAILABLE, ended
+    assert held_ended.code() == grpc.StatusCode.UNAVAILABLE, held_ended
+    # The first token, then those held until the error: more than the one sent at once, and the same
+    # greedy tokens as the other stream's.
+    n = min(len(each_tokens), len(held_tokens))
+    assert len(held_tokens) > 1 and n > 1, (len(held_tokens), len(each_tokens))
+    assert held_tokens[:n] == each_tokens[:n]
     assert {c.name: c.process.returncode for c in m.children} == {c.name: 0 for c in m.children}
 
 
