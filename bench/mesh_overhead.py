@@ -8,8 +8,11 @@ and through the in-process engine, both on one worker with the same settings.
     python bench/mesh_overhead.py --router-arg=--stream-interval --router-arg=4   # 4 tokens a message
 
 Alternates a mesh pass and an in-process pass (after one warm-up pass of each) and prints
-the medians, their ratio, and the scheduler's per-step time split
-(scheduling, wire round trip, worker forward, applying results) read from Redis.
+the medians, their ratio, the scheduler's per-step time split (scheduling, wire round trip,
+worker forward, applying results) read from Redis, and each process's CPU time per output token
+over the measured mesh passes (this script's own is the client's: the engine is idle then). On a
+machine the mesh shares with its worker, the others' CPU is what slows the worker's steps
+(docs/benchmarks.md, "where the mesh's share of a step goes").
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import statistics
 import time
 
 import grpc
+import psutil
 
 from kvmesh.services.redis_client import connect
 from offline_throughput import workload
@@ -85,10 +89,19 @@ def main() -> None:
     children, redis_proc, redis_url = launch(model_dir, 1, None, port, extra_worker=["--kv-memory-mib", str(args.kv_memory_mib), *dtype],
                                           extra_scheduler=args.scheduler_arg, extra_router=args.router_arg)
     mesh_runs, engine_runs = [], []
+    processes = {c.name: psutil.Process(c.process.pid) for c in children}
+    processes["client (this script)"] = psutil.Process()
+    cpu_s = dict.fromkeys(processes, 0.0)
+    mesh_tokens = 0
     try:
         # Alternate the two so that this machine's drifting speed hits both alike; pass 0 warms up.
         for i in range(args.repeat + 1):
+            before = cpu_times(processes)
             mesh = asyncio.run(drive_mesh(f"127.0.0.1:{port}", prompts, args.output_len))
+            if i:
+                for name, spent in cpu_times(processes).items():
+                    cpu_s[name] += spent - before[name]
+                mesh_tokens += mesh[1]
             local = engine_pass(engine, prompts, args.output_len)
             if i:
                 mesh_runs.append(mesh[1] / mesh[0])
@@ -108,6 +121,13 @@ def main() -> None:
         print(f"per step, all passes ({t['steps']} steps): schedule {t['schedule_s'] / n * 1000:.2f} ms, "
               f"wire {t['wire_s'] / n * 1000:.2f} ms, worker forward {t['forward_s'] / n * 1000:.2f} ms, "
               f"apply results {t['update_s'] / n * 1000:.2f} ms")
+    print("CPU per output token over the measured mesh passes: "
+          + ", ".join(f"{name} {1000 * spent / max(1, mesh_tokens):.3f} ms" for name, spent in cpu_s.items()))
+
+
+def cpu_times(processes: dict) -> dict[str, float]:
+    """Each process's user + system CPU seconds so far (its threads', not its children's)."""
+    return {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
 
 
 if __name__ == "__main__":
