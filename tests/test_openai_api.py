@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+import signal
 import subprocess
 import time
 import urllib.error
@@ -190,6 +191,38 @@ def test_the_routers_stream_interval_is_the_least_a_request_gets(mesh, interval_
         first, *middle, last = [len(r.tokens) for r in responses]
         assert middle and all(n >= least for n in middle), (asked, [len(r.tokens) for r in responses])
         assert responses[-1].HasField("finish")
+
+
+def test_a_token_after_a_pause_goes_out_at_once_with_the_tokens_held(mesh):
+    """The gap rule in a running mesh (the default router: 50 ms): a stream whose interval it will
+    never reach gets, after its first token, nothing while tokens come fast; when the worker stops
+    for a while (SIGSTOP, the pause a prompt burst's long step makes), the first token after it goes
+    out at once with those held, before the stream's end. Without the rule the only message after the
+    first would be the last, with the finish."""
+    request = gen.GenerateRequest(prompt="a pause in the river", stream_interval=100_000,
+                                  sampling=gen.SamplingParams(temperature=0.0),
+                                  stopping=gen.StoppingParams(max_new_tokens=1500, ignore_eos=True))
+    workers = [c.process for c in mesh.children if c.service == "worker"]
+
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.addr) as ch:
+            call = generation_pb2_grpc.GenerationStub(ch).Generate(request, timeout=120)
+            first = await call.read()
+            for w in workers:
+                w.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(0.3)  # the pause itself (the stimulus), six times the rule's gap
+            finally:
+                for w in workers:
+                    w.send_signal(signal.SIGCONT)
+            after = await call.read()
+            call.cancel()
+            return first, after
+
+    first, after = asyncio.run(run())
+    assert len(first.tokens) == 1 and not first.HasField("finish")
+    assert after is not grpc.aio.EOF and not after.HasField("finish"), after
+    assert len(after.tokens) >= 1
 
 
 def test_chat_renders_the_chat_template_and_matches_grpc(client, mesh, model_dir):
