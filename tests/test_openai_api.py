@@ -216,13 +216,14 @@ def test_a_token_after_a_pause_goes_out_at_once_with_the_tokens_held(mesh):
                 for w in workers:
                     w.send_signal(signal.SIGCONT)
             after = await call.read()
-            call.cancel()
-            return first, after
+            call.cancel()  # mid-stream, with tokens held: its pages come back all the same
+            return first, after, await wait_idle(mesh.kvcache_addr, timeout=60)
 
-    first, after = asyncio.run(run())
+    first, after, idle = asyncio.run(run())
     assert len(first.tokens) == 1 and not first.HasField("finish")
     assert after is not grpc.aio.EOF and not after.HasField("finish"), after
     assert len(after.tokens) >= 1
+    assert all(w.used_pages == 0 for w in idle), idle
 
 
 def test_chat_renders_the_chat_template_and_matches_grpc(client, mesh, model_dir):
