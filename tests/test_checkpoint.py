@@ -100,7 +100,10 @@ def test_half_precision_checkpoints_load_in_their_dtype(tmp_path, dtype):
     assert layout in (None, model.linear_dtype) or (layout == model.dtype == torch.bfloat16 and not own)
     if model.small_rows:
         assert model.lm_head.small.dtype == layout
-    assert model.small_only == (model.small_rows and small_rows_only())  # the tiny model's copies fit
+    # the tiny model's copies fit: the layout replaces oneDNN's only where it is in the products' dtype
+    assert model.small_only == (model.small_rows and small_rows_only() and layout == model.linear_dtype)
+    if model.small_rows and not model.small_only and small_rows_only():  # AVX2, bfloat16 widened: the rest in float32
+        assert model.lm_head.rest.dtype == torch.float32 and model.lm_head.packed is None
     onednn = 0 if model.small_only else matrices * (2 if own else 4)  # none where the layout replaces oneDNN's
     kernel = matrices * layout.itemsize if model.small_rows else 0
     assert model.weight_bytes() == onednn + kernel + table
@@ -108,7 +111,7 @@ def test_half_precision_checkpoints_load_in_their_dtype(tmp_path, dtype):
 
 def test_a_bfloat16_model_with_no_room_for_float32_copies_multiplies_from_its_own_weights(tmp_path, monkeypatch):
     """On a CPU that multiplies bfloat16 in float32 and whose few-rows kernel widens it (AVX-512
-    without AVX512-BF16 or AMX), a model whose float32 copies do not fit in half of the memory keeps
+    without AVX512-BF16 or AMX, AVX2), a model whose float32 copies do not fit in half of the memory keeps
     only its bfloat16 weights, in that kernel's layout, which takes every product: the worker plans
     for the checkpoint's bytes, and greedy output is the roomy model's (the same products in
     float32; a prompt's sums in the kernel's order instead of oneDNN's). On a CPU that has such
@@ -117,14 +120,16 @@ def test_a_bfloat16_model_with_no_room_for_float32_copies_multiplies_from_its_ow
     from kvmesh.modelgen import SIZES, make_model
 
     if not small_rows_widens(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("the few-rows kernel widens bfloat16 weights in the AVX-512 build only")
+        pytest.skip("no few-rows kernel on this CPU (it needs AVX2 or AVX-512)")
     monkeypatch.setattr(linear_module, "native_half_products", lambda dtype: False)
     model_dir = make_model(tmp_path, "llama", dtype="bfloat16", **SIZES["tiny"])
     roomy = CausalLM.load(model_dir)
     monkeypatch.setattr(linear_module, "_memory_available", lambda available: 1 if available is None else available)
     tight = CausalLM.load(model_dir)
     assert roomy.linear_dtype == tight.linear_dtype == torch.float32
-    assert roomy.small_rows and not roomy.small_only and roomy.lm_head.packed is not None
+    # the roomy model's float32 copy: oneDNN's, or in the AVX2 build the kernel's float32 layout
+    assert roomy.small_rows and not roomy.small_only
+    assert (roomy.lm_head.rest if small_rows_only() else roomy.lm_head.packed) is not None
     assert tight.small_only and tight.small_layout == torch.bfloat16
     for product in [tight.lm_head] + [p for layer in tight.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
         assert product.small.dtype == torch.bfloat16 and product.packed is None and product.weight is None

@@ -304,24 +304,36 @@ def test_a_layer_gives_the_kernel_the_rows_it_is_faster_at(dtype, small_calls):
 
 
 def test_the_few_rows_kernel_takes_float32_products_of_half_precision_weights():
-    """A bfloat16 layer that multiplies in float32 keeps its few-rows layout in bfloat16 where the
-    kernel widens it (the AVX-512 build: half the bytes a decode step reads), in float32 otherwise
-    (AVX2); either way a row's result is the float32 layer's over the same values, bit for bit."""
+    """A bfloat16 layer that multiplies in float32 keeps its few-rows layout in bfloat16, which the
+    kernel widens (half the bytes a decode step reads), for products up to its limit, and a
+    float32 copy for the rest (oneDNN's; in the AVX2 build the kernel's float32 layout); a row's
+    result is the float32 layer's over the same values, bit for bit."""
     weight, bias, x = make_case(130, 258, 5, torch.bfloat16, with_bias=True)
     if not small_rows_dtype(torch.float32, CPU):
         pytest.skip("no few-rows kernel on this CPU (it needs AVX2 or AVX-512)")
     layer = PackedLinear(weight, bias, compute_dtype=torch.float32, small_rows=True)
-    widened = linear_module.native.small_linear_columns() == 32
-    assert small_rows_widens(torch.bfloat16, CPU) == widened
-    assert small_rows_layout(torch.bfloat16, torch.float32, CPU) == (torch.bfloat16 if widened else torch.float32)
-    assert layer.small is not None and layer.small.dtype == (torch.bfloat16 if widened else torch.float32)
+    assert small_rows_widens(torch.bfloat16, CPU)
+    assert small_rows_layout(torch.bfloat16, torch.float32, CPU) == torch.bfloat16
+    assert layer.small is not None and layer.small.dtype == torch.bfloat16
+    avx2 = small_rows_only()
+    assert layer.small_limit == (linear_module.WIDENED_ROWS_AVX2 if avx2 else linear_module.SMALL_ROWS[32])
+    assert (layer.rest is not None, layer.packed is not None) == ((True, False) if avx2 else (False, True))
     torch.testing.assert_close(layer(x).double(), rounded(float64_linear(x, weight, bias), torch.bfloat16),
                                atol=1e-6, rtol=2.0**-7)
     plain = PackedLinear(weight.float(), bias.float(), small_rows=True)
     assert plain.small.dtype == torch.float32
-    for rows in (1, 5, 12, 13, 48):
+    # past the limit the AVX2 build's float32 layout gives the same bits; oneDNN sums in its own order
+    beyond = (65, 300) if avx2 else ()
+    for rows in (1, 4, 5, 6, 12, 13, 48, layer.small_limit, *beyond):
         rows_x = make_case(130, 258, rows, torch.bfloat16, with_bias=True, seed=rows)[2]
-        assert torch.equal(layer(rows_x), plain(rows_x.float()).to(torch.bfloat16))
+        assert torch.equal(layer(rows_x), plain(rows_x.float()).to(torch.bfloat16)), rows
+    batched = make_case(130, 258, 300, torch.bfloat16, with_bias=True, seed=3)[2]
+    assert torch.equal(layer(batched.view(3, 100, 258)), layer(batched).view(3, 100, 130))
+    layer.add_onednn_copy()  # benchmarks: the rest to oneDNN, which then takes what small_limit leaves it
+    assert layer.rest is None and (layer.packed is not None or layer.weight is not None)
+    layer.small_limit = 0
+    torch.testing.assert_close(layer(batched).double(), rounded(float64_linear(batched, weight, bias), torch.bfloat16),
+                               atol=1e-6, rtol=2.0**-7)
 
 
 @pytest.mark.parametrize("threads", [1, 4])
@@ -332,7 +344,7 @@ def test_widened_bfloat16_weights_give_the_float32_kernels_bits(shape, with_bias
     same products in the same order as against the float32 layout of the same values: equal bits,
     bias and residual included, at every tile size and thread split."""
     if not small_rows_widens(torch.bfloat16, CPU):
-        pytest.skip("the few-rows kernel widens bfloat16 weights in the AVX-512 build only")
+        pytest.skip("no few-rows kernel on this CPU (it needs AVX2 or AVX-512)")
     weight, bias, _ = make_case(*shape, 1, torch.bfloat16, with_bias)
     op = linear_module.native.small_linear()
     narrow, wide = linear_module._small_pack(weight), linear_module._small_pack(weight.float())
@@ -340,7 +352,7 @@ def test_widened_bfloat16_weights_give_the_float32_kernels_bits(shape, with_bias
     kept = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 2, 11, 12, 13, 25, 48, 100):
+        for rows in (1, 2, 4, 5, 6, 11, 12, 13, 25, 48, 100):  # tiles of 5 (AVX2, widened), 6 and 12
             x = make_case(*shape, rows, torch.float32, with_bias=False, seed=rows)[2]
             residual = torch.randn(rows, shape[0], generator=torch.Generator().manual_seed(rows))
             assert torch.equal(op(x, narrow, shape[0], bias, None), op(x, wide, shape[0], bias, None))
@@ -358,7 +370,7 @@ def test_a_layer_whose_widened_weights_carry_every_product_keeps_no_float32_copy
     product, prompt-sized and batched ones too: the float32 few-rows layout's bits, rounded to
     bfloat16, and within bfloat16's rounding of float64."""
     if not small_rows_widens(torch.bfloat16, CPU):
-        pytest.skip("the few-rows kernel widens bfloat16 weights in the AVX-512 build only")
+        pytest.skip("no few-rows kernel on this CPU (it needs AVX2 or AVX-512)")
     weight, bias, _ = make_case(130, 258, 1, torch.bfloat16, with_bias=True)
     layer = PackedLinear(weight, bias, compute_dtype=torch.float32, small_rows=True, small_only=True)
     assert layer.small.dtype == torch.bfloat16 and layer.packed is None and layer.weight is None
@@ -397,9 +409,10 @@ def test_the_few_rows_kernel_is_where_the_cpu_has_it_and_its_copy_where_memory_a
     assert small_rows_plan(layout, f32, gib, gib, available=4 * gib) == (only or "beside" if built else "none")
     assert small_rows_plan(layout, f32, gib, gib, available=4 * gib - 1) == (only or "none")
     assert small_rows_plan(None, f32, gib, 0, available=1 << 50) == "none"
-    # a bfloat16 layout widened for float32 products (the AVX-512 build): beside the float32 copy
-    # where both fit, alone where they do not (the weights as stored carry every product)
-    assert small_rows_plan(torch.bfloat16, f32, 2 * gib, gib, available=6 * gib) == (only or "beside")
+    # a bfloat16 layout widened for float32 products: beside a float32 copy (oneDNN's, or the AVX2
+    # build's float32 layout) where both fit, alone where they do not (the weights as stored carry
+    # every product)
+    assert small_rows_plan(torch.bfloat16, f32, 2 * gib, gib, available=6 * gib) == ("beside" if built else "none")
     assert small_rows_plan(torch.bfloat16, f32, 2 * gib, gib, available=6 * gib - 1) == "only"
     # without the copy a layer is as before: oneDNN's packed weight only
     weight, _, _ = make_case(48, 34, 1, torch.float32, with_bias=False)

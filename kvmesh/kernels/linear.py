@@ -51,6 +51,13 @@ log = logging.getLogger("kvmesh.kernels")
 # GFLOP/s, 1,024 rows 147 -> 174), so there it takes every product (None) and its layout replaces
 # oneDNN's: one copy of the weights.
 SMALL_ROWS = {32: 48, 16: None}  # by the build's block width (native.small_linear_columns())
+# The AVX2 build's float32 rows against bfloat16 weights widened in registers (`small_rows_widens`),
+# against its float32 layout (AMD EPYC Zen 3, two threads, `bench/linear_rows.py bfloat16`): one row
+# 8.8 ms a pass against 14-15, 8 rows 13-15 against 18-20, 16 rows 25-26 against 29-32, level at
+# 32-64 rows, 10-20% slower from 128 (its tiles are of 5 rows, not 6: the registers). So a bfloat16
+# model there takes products of up to this many rows from its weights as stored, the rest from the
+# float32 layout, where both fit (`small_rows_plan`).
+WIDENED_ROWS_AVX2 = 64
 # Except bfloat16 on a CPU with AMX: there the kernel multiplies on the tile units too (from the same
 # layout, `small_linear.cpp`) and is faster than oneDNN's tile kernels up to about 128 rows, where
 # its weights come from memory (Intel Xeon with AMX-BF16, two threads, same script: 1-16 rows 4.7-6.3
@@ -158,7 +165,7 @@ def small_rows_dtype(dtype: torch.dtype, device: torch.device) -> bool:
 
 def small_rows_widens(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the few-rows kernel multiplies float32 rows against weights of `dtype` as stored,
-    widening each pair of values to float32 in registers (bfloat16, in the AVX-512 build).
+    widening each pair of values to float32 in registers (bfloat16, in the AVX-512 and AVX2 builds).
     A bfloat16 model that multiplies in float32 (`half_linear_dtype`) keeps its few-rows layout in
     bfloat16 then, so a decode step reads half the bytes of a float32 copy, for the same sums bit for
     bit (the same products of the same values, in the same order). Intel Xeon, Ice Lake (no
@@ -167,9 +174,10 @@ def small_rows_widens(dtype: torch.dtype, device: torch.device) -> bool:
     34-40. It was as fast as oneDNN's float32 kernels or faster up to 512 rows, slower at 1,024
     (5-7%); the layers give it the float32 layout's limit (`SMALL_ROWS`) all the same: taking prompt
     steps too was level on the engine's offline workload within this machine's noise, and would
-    change their sums from oneDNN's (the layer then keeps its float32 copy for oneDNN)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and native.small_linear() is not None
-            and native.small_linear_columns() == 32)
+    change their sums from oneDNN's (the layer then keeps its float32 copy for oneDNN). The AVX2
+    build widens too, faster than its float32 layout up to 16 rows and level to 64
+    (`WIDENED_ROWS_AVX2`)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and native.small_linear() is not None
 
 
 def small_rows_layout(dtype: torch.dtype, linear_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
@@ -182,18 +190,22 @@ def small_rows_layout(dtype: torch.dtype, linear_dtype: torch.dtype, device: tor
     return linear_dtype if small_rows_dtype(linear_dtype, device) else None
 
 
-def small_rows_limit(dtype: torch.dtype) -> int:
+def small_rows_limit(dtype: torch.dtype, widened: bool = False) -> int:
     """Rows up to which the few-rows kernel takes a product of `dtype` from a layer that has its
-    layout (`SMALL_ROWS`, `AMX_BF16_ROWS`); sys.maxsize where it takes every product."""
+    layout (`SMALL_ROWS`, `AMX_BF16_ROWS`; `WIDENED_ROWS_AVX2` for float32 products from a widened
+    bfloat16 layout beside a float32 one); sys.maxsize where it takes every product."""
     if dtype == torch.bfloat16 and native.amx_tiles() and native.tile_products():
         return AMX_BF16_ROWS
+    if widened and small_rows_only():
+        return WIDENED_ROWS_AVX2
     limit = SMALL_ROWS[native.small_linear_columns()]
     return sys.maxsize if limit is None else limit
 
 
 def small_rows_only() -> bool:
-    """Whether the few-rows kernel takes every product of a layer that has its layout (this CPU's
-    build: `SMALL_ROWS`), which then replaces oneDNN's copy of the weights instead of adding one."""
+    """Whether the few-rows kernel takes every product of a layer that has its layout in the
+    products' dtype (this CPU's build: `SMALL_ROWS`), which then replaces oneDNN's copy of the
+    weights instead of adding one."""
     return native.small_linear() is not None and SMALL_ROWS[native.small_linear_columns()] is None
 
 
@@ -201,8 +213,9 @@ def small_rows_plan(layout: torch.dtype | None, linear_dtype: torch.dtype, weigh
                     available: int | None = None) -> str:
     """How a model's layers hold the few-rows kernel's layout (`layout`, `small_rows_layout`) of
     weights multiplied in `linear_dtype`: "only" where it takes every product, with no other copy
-    (this build: `small_rows_only`); "beside" where it takes decode steps' products beside oneDNN's
-    copy (`weight_bytes`) and both fit in half of the memory available (`available`, default the
+    (this build, in the products' dtype: `small_rows_only`); "beside" where it takes decode steps'
+    products beside a float32 copy (`weight_bytes`: oneDNN's, or in the AVX2 build the kernel's
+    float32 layout) and both fit in half of the memory available (`available`, default the
     system's); "none" where there is no layout or the second copy does not fit. A layout widened
     to float32 from the model's own bfloat16 (`small_rows_widens`) takes every product where the
     float32 copy does not fit beside it ("only"): the weights as stored, at about float32's speed
@@ -210,7 +223,7 @@ def small_rows_plan(layout: torch.dtype | None, linear_dtype: torch.dtype, weigh
     docstring), where a model of several GiB gets no float32 copy."""
     if layout is None:
         return "none"
-    if small_rows_only():
+    if small_rows_only() and layout == linear_dtype:
         return "only"
     available = _memory_available(available)
     if 2 * (weight_bytes + layout_bytes) <= available:
@@ -255,7 +268,8 @@ class PackedLinear:
     of up to `small_limit` rows (decode steps; `small_rows_limit`), beside oneDNN's copy, or every product
     with no other copy where that build is the faster at every row count (`small_rows_only`); that
     layout keeps a bfloat16 weight as stored where its products run in float32 and the kernel widens
-    it (`small_rows_layout`); with `small_only` too (`small_rows_plan`), that layout takes every
+    it (`small_rows_layout`), and in the AVX2 build the rest go to the kernel's float32 layout
+    (`rest`) instead of oneDNN; with `small_only` too (`small_rows_plan`), that layout takes every
     product and the layer keeps no other copy."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
@@ -272,21 +286,25 @@ class PackedLinear:
         if layout is not None and layout != torch.float32 and self.in_features % 2:
             layout = None  # bfloat16 pairs inputs
         if layout is not None:
-            self.small_limit = sys.maxsize if small_only else small_rows_limit(self.dtype)
+            self.small_limit = sys.maxsize if small_only else small_rows_limit(self.dtype, widened=layout != self.dtype)
         # the weight in the products' dtype, where oneDNN's copy or the few-rows layout is in it
         if self.compute_dtype is not None and (self.small_limit < sys.maxsize or layout == self.compute_dtype):
             weight = weight.to(self.compute_dtype)
         if layout is not None:  # stored as loaded where the kernel widens it
             self.small = _small_pack((stored if layout == stored.dtype else weight).contiguous())
-        self.packed = self.weight = None
-        if self.small_limit < sys.maxsize:
+        self.packed = self.weight = self.rest = None
+        if layout is not None and self.small_limit < sys.maxsize and small_rows_only():  # the AVX2 build's float32 layout
+            self.rest = _small_pack(weight.contiguous())
+        elif self.small_limit < sys.maxsize:
             self.packed = _pack(weight) if pack else None
             # The plain weight is only needed by the fallback path.
             self.weight = weight if self.packed is None else None
 
     def add_onednn_copy(self) -> None:
-        """Gives a layer whose few-rows layout takes every product oneDNN's copy too, so that
-        lowering `small_limit` sends products to oneDNN (benchmarks compare the two)."""
+        """Gives a layer whose few-rows layouts take every product oneDNN's copy too (in place of
+        the AVX2 build's float32 `rest`), so that lowering `small_limit` sends products to oneDNN
+        (benchmarks compare the two)."""
+        self.rest = None
         if self.packed is None and self.weight is None:
             weight = _small_unpack(self.small, self.out_features).to(self.dtype).contiguous()
             self.packed = _pack(weight)
@@ -309,10 +327,11 @@ class PackedLinear:
         return self._product(x, residual)
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.small_limit:
+        if x.dim() == 2 and (x.shape[0] <= self.small_limit or self.rest is not None):
             if residual is not None:
                 residual = residual.contiguous()
-            return native.small_linear()(x.contiguous(), self.small, self.out_features, self.bias, residual)
+            layout = self.small if x.shape[0] <= self.small_limit else self.rest
+            return native.small_linear()(x.contiguous(), layout, self.out_features, self.bias, residual)
         if x.dim() != 2 and self.packed is None and self.weight is None:  # the few-rows layout is all there is
             rows = x.reshape(-1, self.in_features)
             flat = None if residual is None else residual.reshape(-1, self.out_features)

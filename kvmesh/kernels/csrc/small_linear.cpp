@@ -19,10 +19,10 @@
 // float32, rounded to bfloat16 once at the end (after the bias and the residual, as oneDNN's
 // fused add does). Where the CPU has AMX, bfloat16 goes on its tile units instead (run_amx).
 // Where it has neither, a bfloat16 model multiplies in float32 (kernels/linear.py), and the
-// AVX-512 build takes float32 rows against the bfloat16 layout: each pair row is widened in
-// registers (a shift and a mask: bfloat16 is float32's upper half), so a decode step reads half
-// the bytes of a float32 copy, and the sums are the float32 path's bit for bit (the same products
-// of the same values, in the same order).
+// kernel takes float32 rows against the bfloat16 layout (AVX-512 and AVX2 builds): each pair row
+// is widened in registers (shifts, or a shift and a mask: bfloat16 is float32's upper half), so a
+// decode step reads half the bytes of a float32 copy, and the sums are the float32 path's bit for
+// bit (the same products of the same values, in the same order).
 //
 // Registered as torch.ops.kvmesh.small_linear (AVX-512 and AVX2 builds; the caller checks).
 
@@ -186,14 +186,15 @@ inline void tile(const x_t* x, int64_t K, const w_t* w, const char* pf, const Ep
 
 #elif defined(__AVX2__)
 // AVX2 and FMA (AMD Zen 1-3, Intel before Skylake-SP): 16 registers of 8 lanes, so blocks of 16
-// columns and tiles of 6 rows (12 accumulators, two weight vectors, a broadcast); float32 only (a
-// half-precision model multiplies in float32 on these CPUs: kernels/linear.py). bfloat16 weights
-// widened in registers, as the AVX-512 path's tile_widened, were tried here and not kept: with
-// this build taking every product, the two more registers they need cost prompt steps more than
-// decode steps gain (the AVX2 build on an Intel Ice Lake, bench/linear_rows.py: one row 1.3-2x
-// faster, 16 rows level, 48-512 rows 1.1-1.25x slower; not measured on an AVX2-only CPU).
+// columns and tiles of 6 rows (12 accumulators, two weight vectors, a broadcast); float32 rows
+// (a half-precision model multiplies in float32 on these CPUs: kernels/linear.py), against
+// float32 weights or bfloat16 ones widened in registers as the AVX-512 path's tile_widened does.
 constexpr int64_t kCols = 16;
 constexpr int64_t kTile = 6;
+// Rows per tile against bfloat16 weights: with 12 accumulators GCC kept one in memory (a
+// store-to-load chain through every step of k, half the float32 tile's speed); 10 fit.
+template <typename w_t>
+constexpr int64_t kTileOf = std::is_same_v<w_t, float> ? kTile : 5;
 
 __attribute__((always_inline)) inline void store_tile(const __m256* acc, int rows, const Epilogue<float>& e) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -229,15 +230,59 @@ inline void tile_f32(const float* x, int64_t K, const float* w, const char* pf, 
   store_tile(acc, R, e);
 }
 
+// R rows of x (float32, row stride K, K even) against one bfloat16 block (K/2 x 16 pairs, a
+// 64-byte line a pair row), widened to float32 in registers: each pair row's even values (the low
+// halves of its 32-bit lanes, shifted up) multiply first, then its odd ones (the high halves, the
+// low bits cleared by two shifts, no mask register), k ascending as in tile_f32. The pair row is
+// loaded twice (from L1 the second time) so that 12 accumulators, two weight vectors and a
+// broadcast fit the 16 registers.
+template <int R>
+inline void tile_widened(const float* x, int64_t K, const at::BFloat16* w, const char* pf, const Epilogue<float>& e) {
+  __m256 acc[2 * R];
+#pragma GCC unroll 12
+  for (int r = 0; r < 2 * R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    const __m256i* row = reinterpret_cast<const __m256i*>(w + 2 * kCols * p);
+    _mm_prefetch(pf + 64 * p, _MM_HINT_T1);
+    const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(row), 16));
+    const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(row + 1), 16));
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * K + 2 * p);
+      acc[2 * r] = _mm256_fmadd_ps(xb, even0, acc[2 * r]);
+      acc[2 * r + 1] = _mm256_fmadd_ps(xb, even1, acc[2 * r + 1]);
+    }
+    const __m256 odd0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(row), 16), 16));
+    const __m256 odd1 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(row + 1), 16), 16));
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
+      acc[2 * r] = _mm256_fmadd_ps(xb, odd0, acc[2 * r]);
+      acc[2 * r + 1] = _mm256_fmadd_ps(xb, odd1, acc[2 * r + 1]);
+    }
+  }
+  store_tile(acc, R, e);
+}
+
+// float32 rows against float32 weights, or against bfloat16 weights widened.
 template <typename x_t, typename w_t, int R>
 inline void tile(const x_t* x, int64_t K, const w_t* w, const char* pf, const Epilogue<x_t>& e) {
-  static_assert(std::is_same_v<w_t, float>, "float32 weights only in the AVX2 build");
-  tile_f32<R>(x, K, w, pf, e);
+  static_assert(std::is_same_v<x_t, float>, "float32 rows only in the AVX2 build");
+  if constexpr (std::is_same_v<w_t, float>)
+    tile_f32<R>(x, K, w, pf, e);
+  else
+    tile_widened<R>(x, K, w, pf, e);
 }
 #endif
 
+#if defined(__AVX512F__)
+template <typename w_t>
+constexpr int64_t kTileOf = kTile;  // rows per tile, whatever the weights' dtype
+#endif
+
 #if defined(__AVX512F__) || defined(__AVX2__)
-// A tile of `rows` rows (1..kTile), its row count fixed at compile time: one instance per count.
+// A tile of `rows` rows (1..kTileOf), its row count fixed at compile time: one instance per count.
 template <typename x_t, typename w_t, int... R>
 inline void tile_of(std::integer_sequence<int, R...>, int rows, const x_t* x, int64_t K, const w_t* w, const char* pf,
                     const Epilogue<x_t>& e) {
@@ -246,7 +291,7 @@ inline void tile_of(std::integer_sequence<int, R...>, int rows, const x_t* x, in
 
 template <typename x_t, typename w_t>
 void any_tile(int rows, const x_t* x, int64_t K, const w_t* w, const char* pf, const Epilogue<x_t>& e) {
-  tile_of<x_t, w_t>(std::make_integer_sequence<int, kTile>{}, rows, x, K, w, pf, e);
+  tile_of<x_t, w_t>(std::make_integer_sequence<int, kTileOf<w_t>>{}, rows, x, K, w, pf, e);
 }
 
 // x, the residual and the output in x_t, the packed weights in w_t (x_t, or bfloat16 widened for
@@ -264,6 +309,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* 
   // Work items are (block, chunk of rows): one chunk per block while there are enough blocks to
   // share among the threads, rows split too where there are not (few output columns, many rows).
   // Each output value is still summed by one tile in one order, whatever the split.
+  constexpr int64_t kTile = kTileOf<w_t>;
   const int64_t threads = at::get_num_threads();
   int64_t chunks = 1;
   if (blocks < 4 * threads && M > 8 * kTile)
@@ -449,11 +495,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   const float* bp = bias ? b32.data_ptr<float>() : nullptr;
   if (widened) {
-#if defined(__AVX512F__)
     run<float, at::BFloat16>(x, packed, n, bp, residual, out);
-#else
-    TORCH_CHECK(false, "small_linear: float32 weights only in an AVX2 build");
-#endif
   } else if (x.scalar_type() == at::kFloat) {
     run<float, float>(x, packed, n, bp, residual, out);
   } else {

@@ -8,7 +8,7 @@ without a fast kernel for its dtype (none in oneDNN, or bfloat16 without AVX512-
 multiplies in float32 (`kernels.linear.half_linear_dtype`). On an AVX-512 or AVX2 CPU the
 matrices are also kept in the layout of kvmesh's few-rows kernel, which takes decode steps' products
 (`kernels.linear.small_rows_limit`) at the memory's speed where oneDNN's read the weights more slowly
-(from bfloat16 as stored where a bfloat16 model multiplies in float32 on an AVX-512 CPU:
+(from bfloat16 as stored where a bfloat16 model multiplies in float32:
 `kernels.linear.small_rows_layout`).
 
 On the CPU, a step of more rows than fit the last-level cache runs each layer's MLP in blocks of
@@ -118,8 +118,9 @@ class CausalLM:
         self.linear_dtype = half_linear_dtype(dtype, self.device, self._matrix_params() * _itemsize(dtype))
         # the matrices in the few-rows kernel's layout where it runs: a second copy for decode steps
         # where it fits (AVX-512), the only one where that kernel takes every product (AVX2); in the
-        # model's bfloat16 where its products run in float32 (the kernel widens it: half the bytes)
-        # (and where no float32 copy fits beside it, that layout takes every product: `small_only`)
+        # model's bfloat16 where its products run in float32 (the kernel widens it: half the bytes),
+        # beside a float32 copy for the rest (oneDNN's; AVX2: the kernel's float32 layout), and where
+        # no float32 copy fits beside it, that layout takes every product (`small_only`)
         self.small_layout = small_rows_layout(dtype, self.linear_dtype, self.device)
         params = self._matrix_params()
         plan = small_rows_plan(self.small_layout, self.linear_dtype, params * _itemsize(self.linear_dtype),
