@@ -52,11 +52,12 @@ log = logging.getLogger("kvmesh.kernels")
 # oneDNN's: one copy of the weights.
 SMALL_ROWS = {32: 48, 16: None}  # by the build's block width (native.small_linear_columns())
 # The AVX2 build's float32 rows against bfloat16 weights widened in registers (`small_rows_widens`),
-# against its float32 layout (AMD EPYC Zen 3, two threads, `bench/linear_rows.py bfloat16`): one row
-# 8.8 ms a pass against 14-15, 8 rows 13-15 against 18-20, 16 rows 25-26 against 29-32, level at
-# 32-64 rows, 10-20% slower from 128 (its tiles are of 5 rows, not 6: the registers). So a bfloat16
-# model there takes products of up to this many rows from its weights as stored, the rest from the
-# float32 layout, where both fit (`small_rows_plan`).
+# against its float32 layout (AMD EPYC Zen 3, two threads, the benchmark model's layers in turn as
+# `bench/linear_rows.py` runs them, both alternated): one row 7.6-8.4 ms a pass against 14.4-15.5, 8
+# rows 15-16 against 20-22, 16 rows 25-29 against 28-31, level from 32 to 256 rows within the
+# machine's noise, 10-14% slower at 512-1,024 (its tiles are of 5 rows, not 6: the registers). So a
+# bfloat16 model there takes products of up to this many rows from its weights as stored, the rest
+# (prompt steps) from the float32 layout, where both fit (`small_rows_plan`).
 WIDENED_ROWS_AVX2 = 64
 # Except bfloat16 on a CPU with AMX: there the kernel multiplies on the tile units too (from the same
 # layout, `small_linear.cpp`) and is faster than oneDNN's tile kernels up to about 128 rows, where
