@@ -234,8 +234,9 @@ inline void tile_f32(const float* x, int64_t K, const float* w, const char* pf, 
 // 64-byte line a pair row), widened to float32 in registers: each pair row's even values (the low
 // halves of its 32-bit lanes, shifted up) multiply first, then its odd ones (the high halves, the
 // low bits cleared by two shifts, no mask register), k ascending as in tile_f32. The pair row is
-// loaded twice (from L1 the second time) so that 12 accumulators, two weight vectors and a
-// broadcast fit the 16 registers.
+// loaded twice (from L1 the second time) so that only two weight vectors are live beside the
+// accumulators and a broadcast; even so GCC kept one of 12 accumulators in memory, so these tiles
+// are of 5 rows (kTileOf).
 template <int R>
 inline void tile_widened(const float* x, int64_t K, const at::BFloat16* w, const char* pf, const Epilogue<float>& e) {
   __m256 acc[2 * R];
