@@ -505,6 +505,28 @@ def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
     assert not lock.exists()  # torch would otherwise wait on it forever
 
 
+def test_a_start_that_finds_a_build_under_way_waits_for_it_and_not_past_its_death(tmp_path, monkeypatch):
+    """A process that finds another's build lock waits until the library is there (the lock
+    kept: it is the builder's), and where the builder died, until the lock turns stale, which it
+    then removes to build itself, where torch's builder would have waited forever."""
+    import threading
+
+    built = tmp_path / "kvmesh.so"
+    lock = tmp_path / "lock"
+    lock.touch()
+    finished = threading.Timer(0.2, built.touch)  # the other process's build completes
+    finished.start()
+    native._wait_for_other_build(tmp_path, built, poll_s=0.01)
+    finished.join()
+    assert built.is_file() and lock.exists()
+
+    built.unlink()
+    monkeypatch.setattr(native, "_STALE_LOCK_S", 0.3)
+    lock.touch()  # a fresh lock whose builder is gone: it turns stale while this process waits
+    native._wait_for_other_build(tmp_path, built, poll_s=0.01)
+    assert not lock.exists() and not built.exists()
+
+
 def test_the_decode_kernel_refuses_slots_outside_the_cache_instead_of_reading_them():
     op = native.decode_attention()
     if op is None:

@@ -67,6 +67,18 @@ def _clear_stale_lock(build_dir: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
+def _wait_for_other_build(build_dir: Path, built: Path, poll_s: float = 0.5) -> None:
+    """Returns once no other process holds the build lock: when the library it builds is there,
+    when the lock is gone, or when the lock turns stale (`_clear_stale_lock` removes it). torch's
+    builder waits on a lock it finds for as long as the file exists, so a process that found a
+    build under way when that build's process was then killed (a worker stopped by its supervisor
+    mid-build, a launch that timed out) waited forever, and so did every later one."""
+    lock = build_dir / "lock"
+    while lock.exists() and not built.is_file():
+        _clear_stale_lock(build_dir)
+        time.sleep(poll_s)
+
+
 @cache
 def amx_tiles() -> bool:
     """Whether this CPU has AMX tile units that torch's oneDNN multiplies bfloat16 on (there its
@@ -105,10 +117,10 @@ def _library() -> bool:
 
         built = library_path()
         build_dir, name = built.parent, built.stem
+        _wait_for_other_build(build_dir, built)
         if built.is_file():
             torch.ops.load_library(str(built))
         else:
-            _clear_stale_lock(build_dir)
             cpp_extension.load(name=name, sources=[str(src) for src in _SOURCES], extra_cflags=cflags,
                                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the portable path still works
