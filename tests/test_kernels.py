@@ -506,24 +506,30 @@ def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
 
 
 def test_a_start_that_finds_a_build_under_way_waits_for_it_and_not_past_its_death(tmp_path, monkeypatch):
-    """A process that finds another's build lock waits until the library is there (the lock
-    kept: it is the builder's), and where the builder died, until the lock turns stale, which it
-    then removes to build itself, where torch's builder would have waited forever."""
+    """A process that finds another's build lock waits until the builder is done with it (the
+    library may be on disk, half linked, before), and where the builder died, until the lock turns
+    stale, which it then removes to build itself, where torch's builder would have waited forever."""
     import threading
 
     built = tmp_path / "kvmesh.so"
     lock = tmp_path / "lock"
     lock.touch()
-    finished = threading.Timer(0.2, built.touch)  # the other process's build completes
+    built.touch()  # the library being linked: not to be loaded yet
+
+    def finish():  # the other process's build completes and lets go of the lock
+        built.write_bytes(b"linked")
+        lock.unlink()
+
+    finished = threading.Timer(0.2, finish)
     finished.start()
-    native._wait_for_other_build(tmp_path, built, poll_s=0.01)
+    native._wait_for_other_build(tmp_path, poll_s=0.01)
+    assert built.read_bytes() == b"linked" and not lock.exists()
     finished.join()
-    assert built.is_file() and lock.exists()
 
     built.unlink()
     monkeypatch.setattr(native, "_STALE_LOCK_S", 0.3)
     lock.touch()  # a fresh lock whose builder is gone: it turns stale while this process waits
-    native._wait_for_other_build(tmp_path, built, poll_s=0.01)
+    native._wait_for_other_build(tmp_path, poll_s=0.01)
     assert not lock.exists() and not built.exists()
 
 

@@ -67,14 +67,15 @@ def _clear_stale_lock(build_dir: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def _wait_for_other_build(build_dir: Path, built: Path, poll_s: float = 0.5) -> None:
-    """Returns once no other process holds the build lock: when the library it builds is there,
-    when the lock is gone, or when the lock turns stale (`_clear_stale_lock` removes it). torch's
+def _wait_for_other_build(build_dir: Path, poll_s: float = 0.5) -> None:
+    """Returns once no other process holds the build lock: when the lock is gone (its builder
+    done: the library may be on disk before that, half linked), or when it turns stale
+    (`_clear_stale_lock` removes it). torch's
     builder waits on a lock it finds for as long as the file exists, so a process that found a
     build under way when that build's process was then killed (a worker stopped by its supervisor
     mid-build, a launch that timed out) waited forever, and so did every later one."""
     lock = build_dir / "lock"
-    while lock.exists() and not built.is_file():
+    while lock.exists():
         _clear_stale_lock(build_dir)
         time.sleep(poll_s)
 
@@ -117,7 +118,7 @@ def _library() -> bool:
 
         built = library_path()
         build_dir, name = built.parent, built.stem
-        _wait_for_other_build(build_dir, built)
+        _wait_for_other_build(build_dir)
         if built.is_file():
             torch.ops.load_library(str(built))
         else:
