@@ -83,6 +83,9 @@ class RouterMetrics:
         self.prefix_lookups = Counter("kvmesh_router_prefix_lookups", "Prefix-index lookups for choosing a scheduler, "
                                       "by outcome: hit (a scheduler's worker holds a prefix), miss, or unavailable "
                                       "(kvcache did not answer in time: chosen by load).", (*m, "outcome"), registry=registry)
+        self.schedulers = Gauge("kvmesh_router_schedulers", "Schedulers the router sends the pool's new requests "
+                                "to: registered, reachable and owning a worker, as of its last discovery round.",
+                                m, registry=registry)
         self.resumes = Counter("kvmesh_router_resumes", "Running requests resubmitted by the router after their "
                                "scheduler call broke, by cause: scheduler (the call or its scheduler session broke: "
                                "the scheduler died or was cut off) or worker (the request's worker was lost and no "
@@ -112,7 +115,7 @@ class RouterMetrics:
         """Creates `model`'s series at 0 (counters, histograms and gauges), so they are scraped before any request."""
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_len, self.output_len,
                        self.prompt_tokens, self.generation_tokens, self.in_flight, self.cancelled, self.prefill_time,
-                       self.decode_time, self.inference_time, self.max_tokens):
+                       self.decode_time, self.inference_time, self.max_tokens, self.schedulers):
             metric.labels(model)
         for reason in FINISH_REASONS:
             self.success.labels(model, reason)

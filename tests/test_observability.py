@@ -194,6 +194,7 @@ def test_after_traffic_every_service_exports_the_metrics_that_moved(mesh):
     # Every request was looked up to choose its scheduler (the first six before their shared pages existed).
     assert total(router, "kvmesh_router_prefix_lookups_total") >= 6
     assert total(router, "kvmesh_router_prefix_lookups_total", outcome="unavailable") == 0
+    assert total(router, "kvmesh_router_schedulers") == 2  # both routed to, each owning its worker
 
     kvcache = scrape(mesh.child("kvcache").http)
     workers = {labels["worker"] for labels, _ in kvcache["kvmesh_kv_pages_capacity"]}

@@ -74,23 +74,41 @@ def wait_scheduled(redis_url: str, workers: int, timeout_s: float) -> None:
 
 def wait_split(redis_url: str, children: list[Child], timeout_s: float) -> dict[str, str]:
     """Blocks until every worker among `children` is owned and every scheduler owns one at least
-    (schedulers that start together split the workers by lease); returns worker -> its scheduler."""
+    (schedulers that start together split the workers by lease), and the router has read so: it
+    routes to every scheduler (`kvmesh_router_schedulers`; it reads the registry in rounds, and
+    until then a request would have one scheduler to go to). Returns worker -> its scheduler."""
     from kvmesh.services.redis_client import connect
     from kvmesh.services.registry import owner_key, parse_lease
 
     workers = [c.name for c in children if c.service == "worker"]
     schedulers = [c.address for c in children if c.service == "scheduler"]
+    router = next(c for c in children if c.service == "router")
     r = connect(redis_url, aio=False)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
             owner = {w: (parse_lease(r.get(owner_key(w))) or ("", 0))[0] for w in workers}
-            if set(owner.values()) == set(schedulers):
+            if set(owner.values()) == set(schedulers) and routed_schedulers(router.http) == len(schedulers):
                 return owner
             time.sleep(0.2)
     finally:
         r.close()
-    raise TimeoutError(f"the schedulers did not split the workers within {timeout_s:.0f}s")
+    raise TimeoutError(f"the schedulers did not split the workers, or the router did not see it, within {timeout_s:.0f}s")
+
+
+def routed_schedulers(router_http: str) -> int:
+    """The schedulers a plaintext router at `router_http` routes to (summed over its pools); 0 when
+    its /metrics does not answer."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(f"http://{router_http}/metrics", timeout=5).read().decode()
+    except OSError:  # urllib's URLError among them
+        return 0
+    return int(sum(s.value for f in text_string_to_metric_families(text) if f.name == "kvmesh_router_schedulers"
+                   for s in f.samples))
 
 
 def check_redis(redis_url: str) -> None:

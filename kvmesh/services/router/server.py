@@ -145,6 +145,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             # of an older release), every registered one.
             pool.set_schedulers([(a, verified[a]) for a in addresses if a in owners] or [(a, verified[a]) for a in addresses],
                                 SchedulerLink)
+            self.metrics.schedulers.labels(pool.name).set(len(pool.schedulers))
             pool.versions = ready_versions(workers, pool.name)
             pool.kv_tokens = kv_tokens(workers, pool.name)
             pool.page_size = next((int(w.get("page_size", 16)) for w in workers if pool_of(w) == pool.name), 0)
