@@ -296,6 +296,43 @@ def test_every_page_returns_after_finish_preemption_and_cancel(hf_checkpoint):
     assert_all_pages_returned(engine)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_decode_steps_layers_in_one_call_give_the_per_operator_loops_logits(hf_checkpoint, arch, dtype):
+    """Every step run twice on the same cache, its layers in one C++ call (`decode_layers`, where
+    the step qualifies) and through forward's loop of operators: the same logits bit for bit, over
+    staggered requests (steps of decodes alone between steps with prefill chunks), three of them
+    over one cached prefix (the decode kernel's shared pages). Mistral's sliding window (24) is shorter
+    than most sequences' contexts; Qwen2's projections have biases; bfloat16 multiplies in
+    float32 on a CPU without AVX512-BF16."""
+    model = CausalLM.load(hf_checkpoint(arch, **({"sliding_window": 24} if arch == "mistral" else {})), dtype)
+    if model.decode_layers is None:
+        pytest.skip("no few-rows kernel on this CPU (AVX-512 or AVX2)")
+    one_call, calls = model.decode_layers, []
+    model.decode_layers = lambda *args: calls.append(len(args[0])) or one_call(*args)
+    forward, compared = model.forward, []
+
+    def both_ways(batch, k_cache, v_cache):
+        logits = forward(batch, k_cache, v_cache)
+        model.decode_layers, fast = None, model.decode_layers
+        try:
+            loop = forward(batch, k_cache, v_cache)
+        finally:
+            model.decode_layers = fast
+        assert torch.equal(logits, loop)
+        compared.append(logits.shape[0])
+        return loop
+
+    model.forward = both_ways
+    engine = LLMEngine(EngineConfig(num_pages=128), model=model)
+    shared = random_prompts(1, (40, 40), seed=31)[0]
+    prompts = random_prompts(3, (5, 70), seed=32) + [shared + own for own in random_prompts(3, (1, 20), seed=33)]
+    run_staggered(engine, prompts, StoppingParams(max_new_tokens=16, ignore_eos=True), every=2)
+    assert len(calls) >= 10 and max(calls) == len(prompts), calls  # decode steps took the one call, the full batch too
+    assert len(compared) > len(calls)  # and steps with prompts went through the loop
+    assert_all_pages_returned(engine)
+
+
 def test_steps_whose_mlp_runs_in_blocks_of_rows_match_transformers(hf_checkpoint):
     model_dir = hf_checkpoint("llama")
     engine = LLMEngine(EngineConfig(model=model_dir, num_pages=64))

@@ -3,8 +3,10 @@
 `decode_attention()` returns the `torch.ops.kvmesh.decode_attention_` operator,
 `prefill_attention()` `torch.ops.kvmesh.prefill_attention_`, `write_kv()`
 `torch.ops.kvmesh.write_kv_`, `small_linear()`
-`torch.ops.kvmesh.small_linear` (AVX-512 and AVX2) and `fused_ops()` the fused elementwise
-operators (`rms_norm`, `rotary_`, `silu_mul`) and the sampler's (`greedy_pick`, `draw`), or None
+`torch.ops.kvmesh.small_linear` (AVX-512 and AVX2), `decode_layers()`
+`torch.ops.kvmesh.decode_layers` (a decode step's layers in one call, AVX-512 and AVX2) and
+`fused_ops()` the fused elementwise operators (`rms_norm`, `rotary_`, `silu_mul`) and the
+sampler's (`greedy_pick`, `draw`), or None
 when they cannot be used here (no C++ compiler, `KVMESH_NATIVE_KERNELS=0`); callers then take
 the portable path. All are in one library. The build is cached by torch (`TORCH_EXTENSIONS_DIR`,
 by default `~/.cache/torch_extensions`), so it costs about ten seconds once per machine and
@@ -36,7 +38,7 @@ log = logging.getLogger("kvmesh.kernels")
 
 _SOURCES = [Path(__file__).with_name("csrc") / name
             for name in ("decode_attention.cpp", "prefill_attention.cpp", "kv_write.cpp", "fused_ops.cpp",
-                         "small_linear.cpp")]
+                         "small_linear.cpp", "decode_layers.cpp")]
 _HEADERS = [Path(__file__).with_name("csrc") / name for name in ("paged_cache.h", "claims.h", "amx.h")]
 # Each ISA's compiler flags, and the CPU_CAPABILITY torch builds the same code for: ATen's vector
 # types (used by fused_ops.cpp) take their intrinsics and Sleef functions from it.
@@ -162,6 +164,14 @@ def small_linear():
     """The few-rows matrix product (`kernels.linear`), or None where the library cannot be built or
     has no vector path for it (AVX-512 and AVX2 builds have)."""
     return torch.ops.kvmesh.small_linear if _isa() in ("avx512", "avx2") and _library() else None
+
+
+@cache
+def decode_layers():
+    """A decode step's decoder layers in one call (kernels/csrc/decode_layers.cpp: the per-layer
+    operators in CausalLM.forward's order, without Python between them), or None where the
+    few-rows kernel it multiplies with is missing."""
+    return torch.ops.kvmesh.decode_layers if small_linear() is not None else None
 
 
 @cache

@@ -23,6 +23,12 @@ to eight operators, rounding where transformers' operators round (RMSNorm sums a
 order: its result may be a unit of the last place off; in float32 torch's `F.rms_norm` took
 0.15-1.7 ms for 512 rows of 768 from run to run, the fused operator 0.08).
 
+On the CPU, a step of decodes alone whose products the few-rows kernel takes (one sequence's
+step, or a batch's between prompts) runs its layers in one C++ call, `decode_layers`
+(kernels/csrc/decode_layers.cpp): the operators of the loop in `forward`, in its order and with its
+arguments, so the logits are the same bit for bit, without Python between them (about 3 ms of a
+one-sequence float32 step on an AVX2 Zen 3, and the products ran slower for the pauses).
+
 Weights, rotary tables and the KV cache live on the model's device. Attention is planned once
 per step for that device (`kernels.attention.plan_attention`): kvmesh's C++ decode and prefill
 kernels on the CPU, its Triton kernels on CUDA, torch's attention where neither applies.
@@ -38,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels import native
-from kvmesh.kernels.attention import SequenceSlice, plan_attention, write_kv
+from kvmesh.kernels.attention import AttentionPlan, SequenceSlice, plan_attention, write_kv
 from kvmesh.kernels.linear import (
     PackedLinear,
     half_linear_dtype,
@@ -132,6 +138,16 @@ class CausalLM:
         # found or compiled now, at load, rather than in the first request
         self.fused = native.fused_ops() if self.device.type == "cpu" else None
         self.mlp_rows = mlp_block_rows(cfg.intermediate_size, _itemsize(dtype), self.device)
+        # A decode step's layers in one C++ call where every product has the few-rows layout
+        # (`_layers_in_one_call` says which steps): their tensors listed once, as it takes them.
+        self.decode_layers = None
+        if self.fused is not None and all(p.small is not None for layer in self.layers
+                                          for p in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            self.decode_layers = native.decode_layers()
+            self._layer_tensors = [t for layer in self.layers for t in (
+                layer.qkv.small, layer.o.small, layer.gate_up.small, layer.down.small, layer.input_norm,
+                layer.post_attention_norm)]
+            self._layer_biases = [p.bias for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.scale = cfg.head_dim**-0.5
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * rope_inv_freq(cfg)[None, :]
@@ -229,32 +245,48 @@ class CausalLM:
                                    cfg.sliding_window)
         kv_rows = batch.kv_rows
         kv_slots = batch.slots if kv_rows is None else batch.slots[kv_rows]
-        for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
-            qkv = layer.qkv(h)
-            # q and k rotated together: they are adjacent in the fused projection
-            qk = qkv[:, : q_size + kv_size].view(rows, heads + cfg.num_kv_heads, cfg.head_dim)
-            if fused is not None:
-                fused.rotary_(qk, cos, sin)
-            else:
-                qk = self._rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, q_size + kv_size :].view(rows, cfg.num_kv_heads, cfg.head_dim)
-            if kv_rows is None:
-                write_kv(k_cache[i], v_cache[i], kv_slots, k[:t], v[:t])
-            else:
-                write_kv(k_cache[i], v_cache[i], kv_slots, k[kv_rows], v[kv_rows])
-            attn = attention(q, k_cache[i], v_cache[i], self.scale)
-            if rows > t:
-                attn[t:].zero_()  # the padding rows, which no sequence's attention writes
-            x = layer.o(attn.reshape(rows, q_size), residual=x)
-            if rows <= block:
-                x = self._mlp(layer, x)
-            else:  # in even blocks of rows (the MLP is row by row: each block's rows of x are its own)
-                for s in range(0, rows, block):
-                    x[s : s + block] = self._mlp(layer, x[s : s + block])
+        if self._layers_in_one_call(attention, rows, t, block, kv_rows, kv_slots):
+            x = self.decode_layers(x, self._layer_tensors, self._layer_biases, cos, sin, k_cache, v_cache, kv_slots,
+                                   attention.rows, attention.indptr, attention.slot_ids, heads, cfg.num_kv_heads,
+                                   cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, self.scale,
+                                   self.layers[0].qkv.compute_dtype)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = self._rms_norm(x, layer.input_norm)
+                qkv = layer.qkv(h)
+                # q and k rotated together: they are adjacent in the fused projection
+                qk = qkv[:, : q_size + kv_size].view(rows, heads + cfg.num_kv_heads, cfg.head_dim)
+                if fused is not None:
+                    fused.rotary_(qk, cos, sin)
+                else:
+                    qk = self._rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+                q, k = qk[:, :heads], qk[:, heads:]
+                v = qkv[:, q_size + kv_size :].view(rows, cfg.num_kv_heads, cfg.head_dim)
+                if kv_rows is None:
+                    write_kv(k_cache[i], v_cache[i], kv_slots, k[:t], v[:t])
+                else:
+                    write_kv(k_cache[i], v_cache[i], kv_slots, k[kv_rows], v[kv_rows])
+                attn = attention(q, k_cache[i], v_cache[i], self.scale)
+                if rows > t:
+                    attn[t:].zero_()  # the padding rows, which no sequence's attention writes
+                x = layer.o(attn.reshape(rows, q_size), residual=x)
+                if rows <= block:
+                    x = self._mlp(layer, x)
+                else:  # in even blocks of rows (the MLP is row by row: each block's rows of x are its own)
+                    for s in range(0, rows, block):
+                        x[s : s + block] = self._mlp(layer, x[s : s + block])
         x = self._rms_norm(x[batch.logit_rows], self.norm)
         return self.lm_head(x).float()
+
+    def _layers_in_one_call(self, attention, rows: int, t: int, block: int, kv_rows, kv_slots: torch.Tensor) -> bool:
+        """Whether the step's layers go to `decode_layers` (kernels/csrc/decode_layers.cpp), which
+        runs them as the loop in `forward` would, operator for operator: a step of decodes only,
+        all taken by the C++ decode kernel, every product by the few-rows kernel, no padding rows,
+        no MLP blocks, each row's KV written."""
+        return (self.decode_layers is not None and rows == t and rows <= block and kv_rows is None
+                and isinstance(attention, AttentionPlan) and bool(attention.decodes)
+                and not attention.prefills and not attention.others and kv_slots.dtype == torch.long
+                and all(rows <= p.small_limit for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)))
 
     def step_rows(self, t: int) -> tuple[int, int]:
         """(rows, MLP block) of a step of `t` tokens: the rows its products run, `t` padded where
