@@ -328,7 +328,9 @@ def test_a_decode_steps_layers_in_one_call_give_the_per_operator_loops_logits(hf
     shared = random_prompts(1, (40, 40), seed=31)[0]
     prompts = random_prompts(3, (5, 70), seed=32) + [shared + own for own in random_prompts(3, (1, 20), seed=33)]
     run_staggered(engine, prompts, StoppingParams(max_new_tokens=16, ignore_eos=True), every=2)
-    assert len(calls) >= 10 and max(calls) == len(prompts), calls  # decode steps took the one call, the full batch too
+    # decode steps took the one call, up to the few-rows kernel's row limit (one row for bfloat16 on AMX)
+    limit = min(p.small_limit for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert len(calls) >= 2 and max(calls) == min(limit, len(prompts)), (calls, limit)
     assert len(compared) > len(calls)  # and steps with prompts went through the loop
     assert_all_pages_returned(engine)
 
