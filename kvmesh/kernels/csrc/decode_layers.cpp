@@ -4,12 +4,12 @@
 // CausalLM.forward calls one by one from Python (kvmesh/services/worker/model.py), called here
 // in the same order with the same arguments, so the step's results are the same bit for bit.
 //
-// What it saves is the time between the operators. At one sequence the benchmark model's step is
-// twelve layers of about fifteen calls and views from Python, about 3 ms of a 19-20 ms float32
-// step on an AVX2 Zen 3, and the matrix products themselves ran 15-25% slower in the step than
-// back to back (13.6-15 ms of the step's 15.6-17.4 ms for the same 49 products): while Python runs
-// between two operators the weights stop streaming, and the other OpenMP thread waits. From C++
-// the next operator starts within microseconds (docs/benchmarks.md, 2026-12-07 late evening).
+// What it saves is the time between the operators. At one sequence the benchmark model's float32
+// step on an AVX2 Zen 3 took 19-20 ms, of which 2.7-3.3 ms outside the matrix products, most of it
+// the Python of twelve layers of about fifteen calls and views; and its 49 products took 15.6-17.4
+// ms in the step against 13.6-15 ms back to back: while Python runs between two operators the
+// weights stop streaming, and the other OpenMP thread waits. From C++ the next operator starts
+// within microseconds (docs/benchmarks.md, 2026-12-07 late evening).
 //
 // Only the decode steps the Python loop would send entirely to kvmesh's CPU operators come here:
 // every sequence one query (the decode kernel takes the step's attention), every product in the

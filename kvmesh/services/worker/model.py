@@ -26,8 +26,9 @@ order: its result may be a unit of the last place off; in float32 torch's `F.rms
 On the CPU, a step of decodes alone whose products the few-rows kernel takes (one sequence's
 step, or a batch's between prompts) runs its layers in one C++ call, `decode_layers`
 (kernels/csrc/decode_layers.cpp): the operators of the loop in `forward`, in its order and with its
-arguments, so the logits are the same bit for bit, without Python between them (about 3 ms of a
-one-sequence float32 step on an AVX2 Zen 3, and the products ran slower for the pauses).
+arguments, so the logits are the same bit for bit, without Python between them (most of the 3 ms
+of a 19-20 ms one-sequence float32 step outside its products on an AVX2 Zen 3; the products too
+ran slower for the pauses).
 
 Weights, rotary tables and the KV cache live on the model's device. Attention is planned once
 per step for that device (`kernels.attention.plan_attention`): kvmesh's C++ decode and prefill
@@ -246,7 +247,7 @@ class CausalLM:
         kv_rows = batch.kv_rows
         kv_slots = batch.slots if kv_rows is None else batch.slots[kv_rows]
         if self._layers_in_one_call(attention, rows, t, block, kv_rows, kv_slots):
-            x = self.decode_layers(x, self._layer_tensors, self._layer_biases, cos, sin, k_cache, v_cache, kv_slots,
+            x = self.decode_layers(x, self._layer_tensors, self._layer_biases, cos, sin, k_cache, v_cache, kv_slots.contiguous(),
                                    attention.rows, attention.indptr, attention.slot_ids, heads, cfg.num_kv_heads,
                                    cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, self.scale,
                                    self.layers[0].qkv.compute_dtype)
