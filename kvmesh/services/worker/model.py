@@ -142,13 +142,13 @@ class CausalLM:
         # A decode step's layers in one C++ call where every product has the few-rows layout
         # (`_layers_in_one_call` says which steps): their tensors listed once, as it takes them.
         self.decode_layers = None
-        if self.fused is not None and all(p.small is not None for layer in self.layers
-                                          for p in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+        self._layer_products = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if self.fused is not None and all(p.small is not None for p in self._layer_products):
             self.decode_layers = native.decode_layers()
             self._layer_tensors = [t for layer in self.layers for t in (
                 layer.qkv.small, layer.o.small, layer.gate_up.small, layer.down.small, layer.input_norm,
                 layer.post_attention_norm)]
-            self._layer_biases = [p.bias for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            self._layer_biases = [p.bias for p in self._layer_products]
         self.scale = cfg.head_dim**-0.5
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * rope_inv_freq(cfg)[None, :]
@@ -287,7 +287,7 @@ class CausalLM:
         return (self.decode_layers is not None and rows == t and rows <= block and kv_rows is None
                 and isinstance(attention, AttentionPlan) and bool(attention.decodes)
                 and not attention.prefills and not attention.others and kv_slots.dtype == torch.long
-                and all(rows <= p.small_limit for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+                and all(rows <= p.small_limit for p in self._layer_products))
 
     def step_rows(self, t: int) -> tuple[int, int]:
         """(rows, MLP block) of a step of `t` tokens: the rows its products run, `t` padded where
