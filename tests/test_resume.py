@@ -61,9 +61,9 @@ def greedy(i, request_id=""):
     tokens a router holds for a client must come through every fault exactly too. Long enough that
     no stream ends before the last one's first message, with one worker just restarted (its first
     steps slow while its thread tuner tries teams and its pool is backed) on a loaded machine: at
-    256 tokens the 16 streams took 1.9 s (3.4-4.2 s through a fault) beside two spinning processes on
-    a Zen 5, and in one
-    whole-suite run so loaded a stream ended before the last one's first message."""
+    256 tokens the 16 streams took 1.9 s (3.4-4.2 s through a fault) beside two spinning processes
+    on a Zen 5, and in one whole-suite run so loaded a stream ended before the last one's first
+    message."""
     return gen.GenerateRequest(prompt=f"stream {i} walks by the river stone", request_id=request_id,
                                sampling=gen.SamplingParams(temperature=0.0), stream_interval=4 if i % 2 else 0,
                                stopping=gen.StoppingParams(max_new_tokens=3 * REFERENCE_TOKENS + 8 * i, ignore_eos=True))
